@@ -1,0 +1,3 @@
+"""Repository-wide pytest configuration: the refit markers plugin."""
+
+pytest_plugins = ["refit_lab.pytest_plugin"]

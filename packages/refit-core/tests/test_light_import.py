@@ -1,0 +1,53 @@
+"""``import refit_core`` and the factory's error paths load nothing heavy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+HEAVY = ("torch", "zmq", "ray", "numpy", "httpx", "aiohttp", "requests", "xxhash", "zstandard")
+
+
+def test_import_and_factory_errors_load_nothing_heavy() -> None:
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import refit_core
+        from refit_core import create_weight_synchronizer
+        from refit_core.cli import build_parser
+        outcomes = []
+        calls = [
+            dict(generation_backend="nope", colocated=True),
+            dict(generation_backend="vllm", colocated=True, transport="bogus"),
+            dict(generation_backend="dynamo", colocated=True),
+            dict(generation_backend="vllm", colocated=False),
+            dict(generation_backend="vllm", colocated=True, refit_buffer_size_gb=0),
+            dict(generation_backend="vllm", colocated=True, refit_timeout_s=-1),
+            dict(generation_backend="megatron", colocated=True, refit_timeout_s=5),
+        ]
+        for kwargs in calls:
+            try:
+                create_weight_synchronizer(None, None, **kwargs)
+            except (ValueError, NotImplementedError) as exc:
+                outcomes.append(type(exc).__name__)
+        build_parser()
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        print(json.dumps({{"outcomes": outcomes, "heavy": heavy}}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    assert report["outcomes"] == [
+        "ValueError",
+        "ValueError",
+        "NotImplementedError",
+        "ValueError",
+        "ValueError",
+        "ValueError",
+        "ValueError",
+    ]

@@ -1,0 +1,101 @@
+"""Value types, errors and deadlines of refit-core."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+
+from refit_core import (
+    BackendNotInstalledError,
+    CollectiveSenderSpec,
+    Deadline,
+    RefitError,
+    RefitResult,
+    RefitTimeoutError,
+    ShardInfo,
+    TensorSpec,
+    WeightVersion,
+    WorkerError,
+    WorkerOutcome,
+)
+from refit_core.types import dtype_name
+
+
+def test_tensor_spec_validates_and_counts() -> None:
+    assert TensorSpec((2, 3), "bfloat16").numel == 6
+    with pytest.raises(ValueError, match="bare torch dtype"):
+        TensorSpec((2,), "torch.bfloat16")
+    with pytest.raises(ValueError, match="negative"):
+        TensorSpec((-1,), "float32")
+
+
+def test_dtype_name_strips_prefix() -> None:
+    assert dtype_name("torch.float8_e4m3fn") == "float8_e4m3fn"
+
+
+def test_weight_version_is_monotonic() -> None:
+    v = WeightVersion(3)
+    assert v.next() == WeightVersion(4)
+    v.require_advance_to(WeightVersion(9))
+    with pytest.raises(ValueError, match="must increase"):
+        v.require_advance_to(WeightVersion(3))
+    with pytest.raises(ValueError):
+        WeightVersion(-1)
+
+
+def test_sender_spec_is_frozen_and_validated() -> None:
+    spec = CollectiveSenderSpec("vllm", 1 << 30, 2)
+    with pytest.raises(AttributeError):
+        spec.num_buffers = 3  # type: ignore[misc]
+    with pytest.raises(ValueError, match="num_buffers"):
+        CollectiveSenderSpec("vllm", 1 << 30, 0)
+    with pytest.raises(ValueError, match="buffer_size_bytes"):
+        CollectiveSenderSpec("vllm", 10, 2)
+
+
+def test_shard_info_validated() -> None:
+    with pytest.raises(ValueError):
+        ShardInfo(dim=0, index=2, count=2)
+
+
+def test_refit_result_aggregates_workers() -> None:
+    ok = WorkerOutcome("a", True, 2)
+    bad = WorkerOutcome("b", False, 1, "died")
+    result = RefitResult(2, {"transfer": 0.5}, 1.0, 10, 2_000_000_000, (ok, bad))
+    assert not result.ok
+    assert result.effective_gbps == pytest.approx(2.0)
+    assert RefitResult(2, {}, 1.0, 1, 1, (ok,)).ok
+
+
+def test_error_tree_mixes_builtins_and_pickles() -> None:
+    assert issubclass(RefitTimeoutError, TimeoutError) and RefitTimeoutError("x").is_retryable
+    err = BackendNotInstalledError("missing", install_hint='pip install "refit-core[zmq]"')
+    assert isinstance(err, ImportError) and not err.is_retryable
+    worker = WorkerError("status 'error'", worker="w0", operation="/engine/pause")
+    assert worker.worker == "w0" and "w0: /engine/pause" in str(worker)
+    wedged = RefitError("timed out", wedged_workers=["w1"])
+    assert wedged.wedged_workers == ("w1",)
+    assert RefitError("x", is_retryable=True).is_retryable
+
+
+def test_deadline_arithmetic() -> None:
+    assert Deadline.after(None).remaining_s() is None
+    assert Deadline.never().timeout_for(3.0) == 3.0
+    d = Deadline.after(0.05)
+    assert d.armed and not d.expired()
+    remaining = d.timeout_for(10.0)
+    assert remaining is not None and remaining <= 0.05
+    time.sleep(0.06)
+    assert d.expired() and d.remaining_s() == 0.0
+    with pytest.raises(RefitTimeoutError, match="before the broadcast"):
+        d.check("the broadcast")
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            Deadline.after(bad)
+
+
+def test_frozen_types_pickle() -> None:
+    spec = TensorSpec((4, 4), "float16")
+    assert pickle.loads(pickle.dumps(spec)) == spec

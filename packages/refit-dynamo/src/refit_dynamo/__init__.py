@@ -1,0 +1,3 @@
+"""refit-dynamo."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks: harness, references every bench compares against, and the benches themselves."""

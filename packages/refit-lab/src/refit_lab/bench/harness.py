@@ -1,0 +1,212 @@
+"""Bench harness: context, report, registry, timing and output helpers shared by every bench."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+from refit_lab.bench.runtime import default_threads
+
+logger = logging.getLogger(__name__)
+
+ProgressHook = Callable[[str, float], None]
+"""Called as `progress(message, fraction_done)` with fraction_done in [0, 1]."""
+
+BENCHES: dict[str, str] = {
+    "baseline": "refit_lab.bench.baseline:run",
+}
+"""Registry: bench name -> "module:function" of a `BenchFn`, imported on first use."""
+
+
+def log_progress(message: str, fraction: float) -> None:
+    """Default progress hook: log at INFO."""
+    logger.info("[%3.0f%%] %s", 100 * fraction, message)
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """How to run a bench: quick or full sizes, torch threads for everything measured, progress."""
+
+    quick: bool = False
+    threads: int = field(default_factory=default_threads)
+    progress: ProgressHook = log_progress
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class BenchReport:
+    """One bench run; `to_json` gives the on-disk shape."""
+
+    bench: str
+    quick: bool
+    machine: dict[str, object]
+    results: list[dict[str, object]]
+    summary: dict[str, float | bool]
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        for result in self.results:
+            if not isinstance(result.get("case"), str):
+                raise ValueError(f"bench {self.bench!r}: result without a str 'case': {result!r}")
+        for key, value in self.summary.items():
+            if not isinstance(value, bool | int | float) or (
+                isinstance(value, float) and not math.isfinite(value)
+            ):
+                raise ValueError(
+                    f"bench {self.bench!r}: summary {key!r} must be a finite number or bool,"
+                    f" got {value!r}"
+                )
+
+    def to_json(self) -> dict[str, object]:
+        """`{"bench", "quick", "machine", "results": [{"case", ...}], "summary"}`, validated."""
+        self._validate()
+        return {
+            "bench": self.bench,
+            "quick": self.quick,
+            "machine": dict(self.machine),
+            "results": [dict(result) for result in self.results],
+            "summary": dict(self.summary),
+        }
+
+
+BenchFn = Callable[[BenchContext], BenchReport]
+
+
+def load_bench(name: str) -> BenchFn:
+    """Import the bench registered as `name` in `BENCHES`."""
+    try:
+        target = BENCHES[name]
+    except KeyError:
+        known = ", ".join(sorted(BENCHES))
+        raise ValueError(f"unknown bench {name!r}; known benches: {known}") from None
+    module_name, _, attr = target.partition(":")
+    fn = getattr(importlib.import_module(module_name), attr)
+    if not callable(fn):
+        raise TypeError(f"bench {name!r}: {target} is not callable")
+    return cast(BenchFn, fn)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_total_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def machine_info() -> dict[str, object]:
+    """What the numbers were measured on (no hostname)."""
+    return {
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "pyzmq": _version("pyzmq"),
+        "cpu_count": os.cpu_count(),
+        "cpu_available": default_threads(),
+        "cpu_model": _cpu_model(),
+        "memory_total_bytes": _memory_total_bytes(),
+        "platform": platform.platform(),
+    }
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    """Summary of timed repeats, in seconds."""
+
+    min_s: float
+    median_s: float
+    mean_s: float
+    repeats: int
+
+    @classmethod
+    def from_samples(cls, samples_s: list[float]) -> TimingStats:
+        """Summarise measured durations."""
+        if not samples_s:
+            raise ValueError("no timing samples")
+        return cls(
+            min_s=min(samples_s),
+            median_s=statistics.median(samples_s),
+            mean_s=statistics.fmean(samples_s),
+            repeats=len(samples_s),
+        )
+
+
+def timeit(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> TimingStats:
+    """Call `fn` `warmup` times untimed, then time `repeats` calls."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return TimingStats.from_samples(samples)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Rate in GB/s (1e9 bytes per second)."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    return nbytes / seconds / 1e9
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(report: BenchReport) -> str:
+    """The report as a plain-text table: one row per result, then the summary."""
+    columns: list[str] = []
+    for result in report.results:
+        columns.extend(key for key in result if key not in columns)
+    rows = [columns, *[[_cell(r.get(c, "")) for c in columns] for r in report.results]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [f"bench {report.bench} ({'quick' if report.quick else 'full'})"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines += [f"{key} = {_cell(value)}" for key, value in report.summary.items()]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def write_json(report: BenchReport, path: str | os.PathLike[str]) -> Path:
+    """Write the report's JSON to `path`, creating parent directories; return the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    logger.info("wrote %s", out)
+    return out

@@ -1,0 +1,87 @@
+"""pytest plugin: the ``gpu``, ``netns`` and ``engine`` markers skip or fail by need.
+
+A marked test skips with a reason when its need is absent, and fails instead when the run
+passes ``--require-gpu`` / ``--require-netns`` / ``--require-engine``, so a CI job cannot pass
+by skipping. Loaded by the repository's root ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+
+import pytest
+
+__all__ = ["NEEDS", "engine_available", "gpu_available", "netns_available"]
+
+
+def gpu_available() -> str | None:
+    """None when a CUDA GPU is usable, else the reason it is not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA GPU"
+
+
+def netns_available() -> str | None:
+    """None when root network namespaces can be made, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} command (iproute2) is missing"
+    return None
+
+
+def engine_available() -> str | None:
+    """None when a real vLLM engine is importable, else the reason it is not."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed in this environment (run scripts/test-engine)"
+    return None
+
+
+NEEDS: dict[str, Callable[[], str | None]] = {
+    "gpu": gpu_available,
+    "netns": netns_available,
+    "engine": engine_available,
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("refit")
+    for need in NEEDS:
+        group.addoption(
+            f"--require-{need}",
+            action="store_true",
+            default=False,
+            help=f"fail, instead of skipping, tests marked {need!r} whose need is absent",
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons: dict[str, str | None] = {}
+    for item in items:
+        for need, probe in NEEDS.items():
+            if item.get_closest_marker(need) is None:
+                continue
+            if need not in reasons:
+                reasons[need] = probe()
+            reason = reasons[need]
+            if reason is None:
+                continue
+            if config.getoption(f"--require-{need.replace('-', '_')}"):
+                item.add_marker(
+                    pytest.mark.usefixtures("_refit_required_need_missing"),
+                )
+                item.user_properties.append(("refit_missing_need", f"{need}: {reason}"))
+            else:
+                item.add_marker(pytest.mark.skip(reason=f"{need}: {reason}"))
+
+
+@pytest.fixture
+def _refit_required_need_missing(request: pytest.FixtureRequest) -> None:
+    missing = [v for k, v in request.node.user_properties if k == "refit_missing_need"]
+    pytest.fail(f"required but unavailable: {'; '.join(map(str, missing))}")

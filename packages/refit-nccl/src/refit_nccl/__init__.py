@@ -1,0 +1,3 @@
+"""refit-nccl."""
+
+__version__ = "0.1.0"

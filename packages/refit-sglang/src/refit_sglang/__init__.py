@@ -1,0 +1,3 @@
+"""refit-sglang."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""Every package's version, layout and dependency ranges, and core's extras in a built wheel."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import subprocess
+import tomllib
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+BACKENDS = ("refit-zmq", "refit-nccl", "refit-dynamo", "refit-sglang")
+REQUIREMENT = re.compile(r"^(refit-[a-z]+(?:\[[a-z]+\])?)([<>=!~].*)$")
+
+
+def project(name: str) -> dict[str, object]:
+    data = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())
+    result: dict[str, object] = data["project"]
+    return result
+
+
+def test_every_package_is_present() -> None:
+    assert (
+        sorted(
+            ["refit-core", "refit-zmq", "refit-nccl", "refit-dynamo", "refit-sglang", "refit-lab"]
+        )
+        == PACKAGES
+    )
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_version_layout_and_readme(name: str) -> None:
+    module_name = name.replace("-", "_")
+    module = importlib.import_module(module_name)
+    assert module.__version__ == project(name)["version"]
+    package_dir = ROOT / "packages" / name
+    assert (package_dir / "src" / module_name / "py.typed").exists()
+    assert (package_dir / "tests").is_dir()
+    assert (package_dir / "README.md").read_text().strip()
+
+
+@pytest.mark.parametrize("name", [n for n in PACKAGES if n != "refit-core"])
+def test_packages_depend_on_core_with_a_compatible_range(name: str) -> None:
+    deps = project(name)["dependencies"]
+    assert isinstance(deps, list)
+    assert "refit-core>=0.1.0,<0.2" in deps
+
+
+def test_core_itself_has_no_dependencies() -> None:
+    assert project("refit-core")["dependencies"] == []
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="uv is needed to build a wheel")
+def test_core_wheel_carries_extras_with_version_ranges(tmp_path: Path) -> None:
+    subprocess.run(
+        ["uv", "build", "--wheel", "--out-dir", str(tmp_path), "packages/refit-core"],
+        cwd=ROOT, check=True, capture_output=True, timeout=240,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("refit_core-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        meta_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(archive.read(meta_name).decode())
+    extras = set(metadata.get_all("Provides-Extra") or [])
+    assert extras == {"vllm", "sglang", "dynamo", "megatron", "zmq", "nccl", "all"}
+    requires = metadata.get_all("Requires-Dist") or []
+    by_extra: dict[str, set[str]] = {}
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        extra = re.search(r"extra == ['\"]([a-z]+)['\"]", marker)
+        assert extra, f"core has a non-optional dependency: {line}"
+        spec = requirement.strip().replace(" ", "")
+        parsed = REQUIREMENT.match(spec)
+        assert parsed, f"no version range in {line}"
+        assert set(parsed.group(2).split(",")) == {">=0.1.0", "<0.2"}, line
+        by_extra.setdefault(extra.group(1), set()).add(parsed.group(1))
+    assert by_extra["vllm"] == {"refit-zmq", "refit-nccl"}
+    assert by_extra["zmq"] == {"refit-zmq"}
+    assert by_extra["nccl"] == {"refit-nccl"}
+    assert by_extra["megatron"] == {"refit-nccl[megatron]"}
+    assert by_extra["all"] >= {"refit-zmq", "refit-sglang", "refit-dynamo"}
+    assert all(name in by_extra for name in ("sglang", "dynamo"))
