@@ -25,6 +25,7 @@ ProgressHook = Callable[[str, float], None]
 
 BENCHES: dict[str, str] = {
     "baseline": "refit_lab.bench.baseline:run",
+    "codec": "refit_lab.bench.codec:run",
 }
 """Registry: bench name -> "module:function" of a `BenchFn`, imported on first use."""
 

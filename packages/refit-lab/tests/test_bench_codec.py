@@ -1,0 +1,101 @@
+"""The `codec` bench on a tiny model, its delta simulation, and the peers' recipes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from refit_lab.bench import codec
+from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.references import (
+    nemo_apply,
+    nemo_encode,
+    numpy_delta_apply,
+    numpy_delta_encode,
+    xor_zstd_apply,
+    xor_zstd_encode,
+)
+
+TINY = codec.ModelShape(hidden=64, intermediate=176, vocab=512, layers=1)
+SUMMARY_KEYS = {
+    "encode_speedup_vs_xor_zstd",
+    "wire_ratio_vs_xor_zstd",
+    "encode_speedup_vs_nemo_recipe",
+    "encode_fraction_of_memcpy",
+    "apply_fraction_of_memcpy",
+    "roundtrip_bitexact",
+}
+
+
+def test_codec_is_registered() -> None:
+    assert BENCHES["codec"] == "refit_lab.bench.codec:run"
+    assert load_bench("codec") is codec.run
+
+
+def test_quick_and_full_models_have_the_promised_sizes() -> None:
+    def mib(model: codec.ModelShape) -> float:
+        return sum(2 * torch.Size(s).numel() for s in model.shapes().values()) / 2**20
+
+    assert 60 <= mib(codec.QUICK_MODEL) <= 70
+    assert mib(codec.FULL_MODEL) >= 512
+    names = set(codec.QUICK_MODEL.shapes())
+    assert {"embed_tokens.weight", "norm.weight", "layers.1.mlp.down_proj.weight"} <= names
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3])
+def test_calibrated_learning_rate_changes_about_the_requested_fraction(fraction: float) -> None:
+    trajectory = codec.simulate_adamw(TINY, seed=1)
+    lr = codec.calibrate_lr(trajectory, fraction)
+    old, new = trajectory.bf16(0.0), trajectory.bf16(lr)
+    changed = sum(int((old[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in old)
+    total = sum(t.numel() for t in old.values())
+    assert changed / total == pytest.approx(fraction, rel=0.25)
+
+
+def test_uniform_case_changes_the_requested_fraction_to_other_bits() -> None:
+    old = codec.simulate_adamw(TINY, seed=2).bf16(0.0)
+    new = codec.uniform_case(old, 0.05, seed=3)
+    changed = sum(int((old[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in old)
+    total = sum(t.numel() for t in old.values())
+    assert changed / total == pytest.approx(0.05, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("encode", "apply"),
+    [
+        (xor_zstd_encode, xor_zstd_apply),
+        (nemo_encode, nemo_apply),
+        (numpy_delta_encode, numpy_delta_apply),
+    ],
+)
+def test_recipes_roundtrip_and_check_their_digest(
+    encode: Callable[[torch.Tensor, torch.Tensor], tuple[bytes, bytes]],
+    apply: Callable[[bytes, bytes, torch.Tensor], None],
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new[::9] = float("nan")
+    payload, digest = encode(old, new)
+    target = old.clone()
+    apply(payload, digest, target)
+    assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+    with pytest.raises(ValueError, match="checksum"):
+        apply(payload[:-1] + bytes([payload[-1] ^ 1]), digest, old.clone())
+
+
+def test_tiny_run_reports_every_case_and_the_summary() -> None:
+    report = codec.measure(BenchContext(quick=True, threads=2), model=TINY, repeats=1)
+    cases = {row["case"] for row in report.results}
+    assert cases == {*codec.ADAMW_FRACTIONS, codec.UNIFORM_CASE}
+    methods = {row["method"] for row in report.results}
+    assert methods == {*codec.METHODS, "memcpy"}
+    assert report.summary.keys() >= SUMMARY_KEYS
+    assert report.summary["roundtrip_bitexact"] is True
+    assert all(row["bitexact"] for row in report.results if "bitexact" in row)
+    for row in report.results:
+        if row["method"] != "memcpy":
+            assert isinstance(row["wire_bytes"], int) and row["wire_bytes"] > 0
+    report.to_json()
