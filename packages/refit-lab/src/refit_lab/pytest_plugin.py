@@ -43,11 +43,27 @@ def engine_available() -> str | None:
     return None
 
 
+_MISSING = pytest.StashKey[list[str]]()
+
 NEEDS: dict[str, Callable[[], str | None]] = {
     "gpu": gpu_available,
     "netns": netns_available,
     "engine": engine_available,
 }
+
+
+_DESCRIPTIONS = {
+    "gpu": "needs a CUDA GPU",
+    "netns": "needs root network namespaces",
+    "engine": "needs a real inference engine (vLLM)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for need, text in _DESCRIPTIONS.items():
+        config.addinivalue_line(
+            "markers", f"{need}: {text} (skips without; fails under --require-{need})"
+        )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,16 +88,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = reasons[need]
             if reason is None:
                 continue
-            if config.getoption(f"--require-{need.replace('-', '_')}"):
-                item.add_marker(
-                    pytest.mark.usefixtures("_refit_required_need_missing"),
-                )
-                item.user_properties.append(("refit_missing_need", f"{need}: {reason}"))
+            if config.getoption(f"--require-{need}"):
+                item.stash[_MISSING] = [*item.stash.get(_MISSING, []), f"{need}: {reason}"]
             else:
                 item.add_marker(pytest.mark.skip(reason=f"{need}: {reason}"))
 
 
-@pytest.fixture
-def _refit_required_need_missing(request: pytest.FixtureRequest) -> None:
-    missing = [v for k, v in request.node.user_properties if k == "refit_missing_need"]
-    pytest.fail(f"required but unavailable: {'; '.join(map(str, missing))}")
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    missing = item.stash.get(_MISSING, [])
+    if missing:
+        pytest.fail(f"required but unavailable: {'; '.join(missing)}", pytrace=False)
