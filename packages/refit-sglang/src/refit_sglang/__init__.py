@@ -1,3 +1,40 @@
-"""refit-sglang."""
+"""refit-sglang: flattened tensor buckets and the SGLang synchronizers."""
+
+from refit_sglang.buckets import FlattenedBucket, TensorSlot, iter_buckets
+from refit_sglang.builder import build_colocated_synchronizer, build_disaggregated_synchronizer
+from refit_sglang.client import EngineClient, HttpClient, SGLangClient, clients_for
+from refit_sglang.colocated import ColocatedOptions, ColocatedSGLangSynchronizer
+from refit_sglang.handles import SharedBuffers, attach_shared
+from refit_sglang.lifecycle import PauseMode, check_pause_mode
+from refit_sglang.participants import EngineSettings, SGLangRankParticipant
+from refit_sglang.plan import DistributedPlan
+from refit_sglang.protocol import SGLANG_COMMIT, RequestSchemaError, validate_request
+from refit_sglang.trainer import SGLangPeerTrainer
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "SGLANG_COMMIT",
+    "ColocatedOptions",
+    "ColocatedSGLangSynchronizer",
+    "DistributedPlan",
+    "EngineClient",
+    "EngineSettings",
+    "FlattenedBucket",
+    "HttpClient",
+    "PauseMode",
+    "RequestSchemaError",
+    "SGLangClient",
+    "SGLangPeerTrainer",
+    "SGLangRankParticipant",
+    "SharedBuffers",
+    "TensorSlot",
+    "__version__",
+    "attach_shared",
+    "build_colocated_synchronizer",
+    "build_disaggregated_synchronizer",
+    "check_pause_mode",
+    "clients_for",
+    "iter_buckets",
+    "validate_request",
+]

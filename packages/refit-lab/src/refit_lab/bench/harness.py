@@ -25,7 +25,11 @@ ProgressHook = Callable[[str, float], None]
 
 BENCHES: dict[str, str] = {
     "baseline": "refit_lab.bench.baseline:run",
+    "collective": "refit_lab.bench.collective:run",
     "codec": "refit_lab.bench.codec:run",
+    "megatron": "refit_lab.bench.megatron:run",
+    "relay": "refit_lab.bench.relay:run",
+    "sglang": "refit_lab.bench.sglang:run",
 }
 """Registry: bench name -> "module:function" of a `BenchFn`, imported on first use."""
 

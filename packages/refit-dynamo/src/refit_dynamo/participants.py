@@ -1,0 +1,196 @@
+"""A Dynamo fleet as the engine side of refit-nccl's :class:`CollectiveWeightSynchronizer`.
+
+Each engine rank of each worker is one participant, so the synchronizer plans ranks as usual.
+One admin call drives all of a worker's ranks, so the worker's local rank 0 makes the calls
+(:mod:`refit_dynamo.transactions`, each on a thread of its own, so no Ray cluster is needed)
+and its other ranks answer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from refit_core import CollectiveSenderSpec, GeometryMismatchError, TensorSpec
+from refit_dynamo.channel import DynamoRefitChannel
+from refit_dynamo.protocol import init_payload
+from refit_dynamo.transactions import flush_worker, join_worker, update_worker
+from refit_nccl import JoinRequest, Participant, TransferPlan, TransferStats
+
+__all__ = ["DynamoRankParticipant", "StateItems", "dynamo_shards"]
+
+logger = logging.getLogger(__name__)
+
+StateItems = tuple[tuple[str, TensorSpec], ...]
+"""A state's ``(name, spec)`` pairs in transfer order (as refit-nccl's endpoints take it)."""
+
+_T = TypeVar("_T")
+_U = TypeVar("_U")
+
+
+def _done(value: _T) -> Future[_T]:
+    future: Future[_T] = Future()
+    future.set_result(value)
+    return future
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
+    return future
+
+
+def _in_thread(fn: Callable[..., _T], *args: Any) -> Future[_T]:
+    """Run ``fn(*args)`` on a daemon thread (every call it makes has a timeout)."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="refit-dynamo", daemon=True).start()
+    return future
+
+
+def _then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
+    """A future of ``fn(source's result)``, failing as ``source`` fails."""
+    target: Future[_U] = Future()
+
+    def relay(done: Future[_T]) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+            return
+        try:
+            target.set_result(fn(done.result()))
+        except Exception as exc:
+            target.set_exception(exc)
+
+    source.add_done_callback(relay)
+    return target
+
+
+class DynamoRankParticipant(Participant):
+    """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``.
+
+    Serves the engine calls of refit-nccl's synchronizer (``refit_geometry``, ``refit_plan``,
+    ``refit_join``, ``refit_transfer``, ``refit_commit``, ``refit_abort``) through the
+    worker's admin routes. The commit flushes the worker's cache (pause with ``clear_cache``,
+    then resume). An abort can only be logged: refit cannot abort the communicator inside a
+    Dynamo worker.
+    """
+
+    def __init__(self, channel: DynamoRefitChannel, index: int, local_rank: int) -> None:
+        worker = channel.workers[index]
+        label = worker.instance_id if local_rank == 0 else f"{worker.instance_id}/rank{local_rank}"
+        super().__init__(label)
+        self._channel = channel
+        self._index = index
+        self._local_rank = local_rank
+        self._plan: TransferPlan | None = None
+        self._in_flight: Future[Any] | None = None
+
+    @property
+    def key(self) -> Hashable:
+        """The worker's endpoint and the rank within it."""
+        return (self._channel.workers[self._index], self._local_rank)
+
+    @property
+    def drives(self) -> bool:
+        """Whether this rank makes the worker's admin calls (local rank 0)."""
+        return self._local_rank == 0
+
+    def close(self) -> None:
+        """Nothing to release: the connections belong to the channel."""
+
+    def call(self, method: str, *args: Any) -> Future[Any]:
+        """Start ``method(*args)``; never blocks."""
+        handlers: dict[str, Callable[..., Future[Any]]] = {
+            "refit_geometry": lambda: _done(self._channel.sender_spec),
+            "refit_plan": lambda state, geometry: _done(self._plan_for(state, geometry).digest),
+            "refit_join": self._join,
+            "refit_transfer": self._transfer,
+            "refit_commit": self._commit,
+            "refit_abort": self._abort,
+        }
+        handler = handlers.get(method)
+        if handler is None:
+            return _failed(NotImplementedError(f"a Dynamo worker has no {method}"))
+        try:
+            return handler(*args)
+        except Exception as exc:
+            return _failed(exc)
+
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        if geometry != self._channel.sender_spec:
+            raise GeometryMismatchError(
+                f"{self.label}: vLLM receives with {self._channel.sender_spec}, "
+                f"the plan uses {geometry}"
+            )
+        return TransferPlan.build(dict(state), geometry)
+
+    def _join(self, request: JoinRequest) -> Future[str]:
+        plan = self._plan = self._plan_for(request.state, request.geometry)
+        if not self.drives:
+            return _done(plan.digest)
+        self._channel.prepare(dict(request.state))
+        group = request.group
+        payload = init_payload(group.host, group.port, group.rank, group.world_size)
+        self._in_flight = _in_thread(join_worker, self._channel, self._index, payload)
+        return _then(self._in_flight, lambda _: plan.digest)
+
+    def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
+        started = time.monotonic()
+
+        def stats(_: object = None) -> TransferStats:
+            elapsed = time.monotonic() - started
+            return TransferStats(
+                len(plan.buckets), plan.wire_bytes, plan.dense_bytes, 0.0, 0.0, elapsed, elapsed
+            )
+
+        if not self.drives:
+            return _done(stats())
+        self._in_flight = _in_thread(update_worker, self._channel, self._index, version)
+        return _then(self._in_flight, stats)
+
+    def _commit(self, version: int) -> Future[int]:
+        if not self.drives:
+            return _done(version)
+        flushed = _in_thread(flush_worker, self._channel, self._index)
+        return _then(flushed, lambda _: version)
+
+    def _abort(self, cause: str, *_: object) -> Future[None]:
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            logger.warning(
+                "%s: its join or update is still running and refit cannot abort the "
+                "communicator inside a Dynamo worker (%s); the worker may stay wedged until it "
+                "is re-initialized or restarted",
+                self.label,
+                cause,
+            )
+        return _done(None)
+
+
+def dynamo_shards(channel: DynamoRefitChannel) -> dict[int, list[Participant]]:
+    """Shard index -> participants (one per engine rank) of every worker of ``channel``.
+
+    Raises:
+        FleetChangedError: the channel's ``validate_workers`` sees another fleet.
+    """
+    channel.check_membership()
+    return {
+        index: [
+            DynamoRankParticipant(channel, index, rank) for rank in range(channel.engine_world_size)
+        ]
+        for index in range(len(channel.workers))
+    }

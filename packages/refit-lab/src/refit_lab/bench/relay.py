@@ -1,0 +1,683 @@
+"""Bench `relay`: the transactional ZeroMQ relay tree against raw pyzmq, loopback and shaped.
+
+Loopback (always): dense-resync payloads (quick 64 MiB, full 1 GiB of bf16 weights; encoded
+uncompressed before the clock starts, so the wire carries the dense bytes) pushed through one
+relay in a child process that verifies every checksum and applies them, with undo data, into
+a reference engine's real parameters until the transfer is committed, against the harness's
+raw pyzmq stream of the same bytes, same run; then a 1%-changed refit (AdamW-like,
+calibrated; encoding included), which is bound by the scattered writes of apply rather than
+by the wire. ``relays_apply_s`` is the receivers' apply time, summed over relays.
+
+Shaped (root only; skipped otherwise): hosts in network namespaces joined by veth pairs to
+one bridge, every host's egress shaped with exactly ``tc qdisc add dev <veth> root tbf rate
+500mbit burst 256kb latency 100ms`` (producer, relays and raw receivers alike). Cases: a raw
+pyzmq transfer of the dense bytes to one host; the 1%-changed refit through one relay,
+encoding included; dense resyncs to 1, 2, 4 and 8 receivers through relays chained with
+fan-out 1 (a pipelined chain: every link carries each byte once) against a star of raw pyzmq
+streams from the producer to each receiver. Each host's veth byte counters are reported.
+Every timed refit ends committed, and every receiver is checked bit for bit at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import math
+import multiprocessing.connection
+import os
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from refit_core.types import TensorSpec, WeightVersion
+from refit_lab.bench.codec import Trajectory, calibrate_lr
+from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
+from refit_lab.bench.references import _FILL, MiB, _zmq_receiver, zmq_stream_gbps
+from refit_lab.bench.runtime import ChildGroup, Deadline
+from refit_lab.pytest_plugin import netns_available
+from refit_lab.reference_engine import (
+    ReferenceEngine,
+    ReferenceModelConfig,
+    checkpoint_tensor_specs,
+)
+from refit_zmq.codec import tensor_digest
+from refit_zmq.relay import (
+    ProducerShard,
+    RelayCoordinator,
+    RelayTuning,
+    TransferOptions,
+    ZmqSparseRefitClient,
+    deliver_payloads,
+    new_transfer_id,
+    run_transfer,
+)
+from refit_zmq.sparse import EngineRelay
+from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024 * MiB
+CHANGED_FRACTION = 0.01
+RECEIVERS = (1, 2, 4, 8)
+SHAPING = ("tbf", "rate", "500mbit", "burst", "256kb", "latency", "100ms")
+CHUNK_BYTES = MiB
+BUCKET_BYTES = 8 * MiB
+LOOPBACK_BUCKET_BYTES = 4 * MiB
+TUNING = RelayTuning(chunk_bytes=CHUNK_BYTES, max_inflight_bytes=4 * BUCKET_BYTES, fanout=1)
+_CLONE_NEWNET = 0x40000000
+_SUBNET = "10.77.0"
+_RAW_PORT = 6000
+_CMD_TIMEOUT_S = 20.0
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes of the bench: state bytes per part, repeats, receiver counts, model width."""
+
+    dense_bytes: int
+    tree_bytes: int
+    repeats: int
+    receivers: tuple[int, ...] = RECEIVERS
+    hidden: int = 1024
+
+
+QUICK = Sizes(dense_bytes=64 * MiB, tree_bytes=64 * MiB, repeats=2)
+FULL = Sizes(dense_bytes=1 * GiB, tree_bytes=256 * MiB, repeats=3)
+
+
+# -- the state: a reference engine's checkpoint, and an AdamW-like step of it ---------------
+
+
+def engine_config(target_bytes: int, hidden: int = 1024) -> ReferenceModelConfig:
+    """A bf16 reference model of at least ``target_bytes``, ``hidden`` wide (one layer of
+    width 1024 is 64 MiB; layers are added until the model fits)."""
+    heads = max(1, hidden // 64)
+    for layers in range(1, 4096):
+        config = ReferenceModelConfig(
+            vocab_size=17 * hidden // 2,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            intermediate_size=4 * hidden,
+            max_seq_len=64,
+        )
+        if state_bytes(config) >= target_bytes:
+            return config
+    raise ValueError(f"no reference model of {target_bytes} bytes")
+
+
+def state_bytes(config: ReferenceModelConfig) -> int:
+    """Bytes of the model's checkpoint."""
+    return sum(2 * math.prod(shape) for shape, _ in checkpoint_tensor_specs(config).values())
+
+
+def _draw(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 master (normal 0.02; norms near 1) and an AdamW-like step direction."""
+    noise = torch.randn(shape, generator=generator)
+    master = 1.0 + 0.01 * noise if len(shape) == 1 else 0.02 * noise
+    step = torch.randn(shape, generator=generator).sign_().mul_(1e-3).add_(master, alpha=0.01)
+    return master, step
+
+
+def states(config: ReferenceModelConfig, seed: int) -> tuple[State, State]:
+    """The bf16 weights before and after a step that changes about 1% of them.
+
+    The learning rate is calibrated on a sample drawn alike (at most 64 rows per matrix);
+    the weights are then drawn one tensor at a time, so fp32 copies never pile up.
+    """
+    specs = checkpoint_tensor_specs(config)
+    sampler = torch.Generator().manual_seed(seed + 1)
+    sample = {
+        name: _draw((min(shape[0], 64), *shape[1:]) if len(shape) > 1 else shape, sampler)
+        for name, (shape, _) in specs.items()
+    }
+    path = Trajectory(
+        {n: m for n, (m, _) in sample.items()}, {n: d for n, (_, d) in sample.items()}
+    )
+    lr = calibrate_lr(path, CHANGED_FRACTION)
+    generator = torch.Generator().manual_seed(seed)
+    before: State = {}
+    after: State = {}
+    for name, (shape, _) in specs.items():
+        master, step = _draw(shape, generator)
+        before[name] = master.to(torch.bfloat16)
+        after[name] = master.sub_(step, alpha=lr).to(torch.bfloat16)
+    return before, after
+
+
+def digests(state: State) -> dict[str, int]:
+    """Per-tensor bitwise digests."""
+    return {name: tensor_digest(tensor) for name, tensor in state.items()}
+
+
+# -- network namespaces ----------------------------------------------------------------------
+
+
+def _ip(*command: str) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
+
+
+class ShapedLan:
+    """``hosts`` network namespaces on one bridge, each host's egress shaped (root only).
+
+    Only namespaces, links and addresses made here are touched; all of them are removed on
+    exit, whatever happened.
+    """
+
+    def __init__(self, hosts: int) -> None:
+        tag = f"rzb{os.getpid() % 100000}"
+        self.bridge = f"{tag}br"
+        self.namespaces = [f"{tag}n{i}" for i in range(hosts)]
+        self.outer = [f"{tag}h{i}" for i in range(hosts)]
+        self.ips = [f"{_SUBNET}.{i + 1}" for i in range(hosts)]
+        self._made: list[Callable[[], None]] = []
+
+    def __enter__(self) -> ShapedLan:
+        try:
+            _ip("ip", "link", "add", self.bridge, "type", "bridge")
+            self._made.append(lambda: _ip("ip", "link", "del", self.bridge))
+            _ip("ip", "link", "set", self.bridge, "up")
+            for index, (ns, outer) in enumerate(zip(self.namespaces, self.outer, strict=True)):
+                self._host(index, ns, outer)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("shaped LAN of %d hosts on %s", len(self.namespaces), self.bridge)
+        return self
+
+    def _host(self, index: int, ns: str, outer: str) -> None:
+        inner = f"{outer}x"
+        _ip("ip", "netns", "add", ns)
+        self._made.append(lambda: _ip("ip", "netns", "del", ns))
+        _ip("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        self._made.append(lambda: _ip("ip", "link", "del", outer))
+        _ip("ip", "link", "set", inner, "netns", ns)
+        _ip("ip", "link", "set", outer, "master", self.bridge, "up")
+        for command in (
+            ("ip", "addr", "add", f"{self.ips[index]}/24", "dev", inner),
+            ("ip", "link", "set", inner, "up"),
+            ("ip", "link", "set", "lo", "up"),
+            ("tc", "qdisc", "add", "dev", inner, "root", *SHAPING),
+        ):
+            _ip("ip", "netns", "exec", ns, *command)
+
+    def counters(self) -> list[dict[str, int]]:
+        """Per host: bytes it sent and received through its veth (read on the bridge side)."""
+        out = []
+        for outer in self.outer:
+            stats = f"/sys/class/net/{outer}/statistics"
+            with open(f"{stats}/rx_bytes") as sent, open(f"{stats}/tx_bytes") as received:
+                out.append({"sent": int(sent.read()), "received": int(received.read())})
+        return out
+
+    def close(self) -> None:
+        """Remove everything made, newest first."""
+        while self._made:
+            undo = self._made.pop()
+            try:
+                undo()
+            except (subprocess.SubprocessError, OSError) as exc:
+                logger.warning("cleanup step failed: %s", exc)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def enter_netns(name: str | None) -> None:
+    """Move the calling thread (and every thread it starts later) into namespace ``name``."""
+    if name is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns({name}): {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def _in_netns(name: str | None, target: Callable[..., Any], *args: Any) -> Any:
+    """Child entry: enter ``name``, then run ``target(*args)``."""
+    enter_netns(name)
+    torch.set_num_threads(1)
+    return target(*args)
+
+
+# -- relays and producers ---------------------------------------------------------------------
+
+
+def serve_relay(
+    conn: multiprocessing.connection.Connection,
+    bind_ip: str,
+    config: ReferenceModelConfig,
+    timeout_s: float,
+) -> None:
+    """Child: a relay in front of a reference engine; send its address, serve until told."""
+    engine = ReferenceEngine(config)
+    relay = EngineRelay(
+        engine, bind_address=f"tcp://{bind_ip}:*", timeout_s=timeout_s, tuning=TUNING
+    )
+    conn.send(relay.start())
+    with contextlib.suppress(EOFError):
+        conn.recv()
+    relay.close()
+
+
+@contextlib.contextmanager
+def relays(
+    netns: Sequence[str | None],
+    ips: Sequence[str],
+    config: ReferenceModelConfig,
+    deadline: Deadline,
+) -> Iterator[list[str]]:
+    """Relays in child processes (one per namespace); their addresses."""
+    pipes = [multiprocessing.Pipe() for _ in netns]
+    args = [
+        (ns, serve_relay, child, ip, config, 30.0)
+        for ns, ip, (_, child) in zip(netns, ips, pipes, strict=True)
+    ]
+    with ChildGroup(_in_netns, args, deadline=deadline, name="relay") as group:
+        addresses = []
+        for parent, _ in pipes:
+            while not parent.poll(0.1):
+                deadline.check()
+                group.poll()
+            addresses.append(parent.recv())
+        try:
+            yield addresses
+        finally:
+            for parent, _ in pipes:
+                with contextlib.suppress(OSError):
+                    parent.send("stop")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One timed refit: its case, which state it sends, whether densely, and whether it is
+    encoded before the clock starts (a transport measurement) or while sending."""
+
+    case: str
+    state: str
+    resync: bool
+    pre_encoded: bool = False
+
+
+@dataclass(frozen=True)
+class Producing:
+    """How the producer encodes: payload size and compression."""
+
+    bucket_bytes: int = BUCKET_BYTES
+    compress: bool = True
+    threads: int = 1
+
+
+def _timed_refit(
+    coordinator: RelayCoordinator,
+    tracker: DeltaCompressionTracker,
+    client: ZmqSparseRefitClient,
+    state: State,
+    version: int,
+    step: Step,
+) -> dict[str, Any]:
+    """One committed refit; its timing and sizes."""
+    options = TransferOptions(None, 60.0, TUNING, verification_candidates=0)
+    if not step.pre_encoded:
+        shard = ProducerShard(tracker, functools.partial(dict, state))
+        started = time.perf_counter()
+        result = run_transfer(
+            coordinator, [shard], target_version=version, resync=step.resync, options=options
+        )
+        seconds = time.perf_counter() - started
+        applying = sum(float(r["apply_s"]) for r in result.outcome.reports.values())
+        return {
+            "seconds": seconds,
+            "stream_s": result.stream_s,
+            "relays_apply_s": applying,
+            **result.shards[0],
+        }
+    payloads = list(tracker.encode(state, WeightVersion(version), resync=step.resync))
+    transfer_id = new_transfer_id(version)
+    started = time.perf_counter()
+    stats = deliver_payloads(
+        payloads,
+        client,
+        transfer_id=transfer_id,
+        payload_prefix="0",
+        relay_root=None,
+        base_version=None,
+        target_version=version,
+        verification_candidates=0,
+    )
+    streamed = time.perf_counter()
+    outcome = coordinator.finish(transfer_id, stats["payloads"])
+    seconds = time.perf_counter() - started
+    if not outcome.committed:
+        tracker.abort()
+        raise outcome.error()
+    tracker.commit()
+    applying = sum(float(r["apply_s"]) for r in outcome.reports.values())
+    return {"seconds": seconds, "stream_s": streamed - started, "relays_apply_s": applying, **stats}
+
+
+def produce(
+    addresses: Sequence[str],
+    config: ReferenceModelConfig,
+    steps: Sequence[Step],
+    producing: Producing,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``steps`` (each committed) into the relays, rooted at the first; rows, and whether
+    every relay ends bit-exact with the last state. Runs in the caller's network namespace."""
+    base, new = states(config, seed)
+    by_name = {"base": base, "new": new}
+    spec = {name: TensorSpec.of(t) for name, t in base.items()}
+    tracker_config = TrackerConfig(
+        bucket_size_bytes=producing.bucket_bytes,
+        max_item_bytes=producing.bucket_bytes // 2,
+        threads=producing.threads,
+        compress=producing.compress,
+    )
+    coordinator = RelayCoordinator(api_key=None, timeout_s=60.0, tuning=TUNING)
+    client = ZmqSparseRefitClient(
+        addresses[0], timeout_s=60.0, producer_id="shard-0", retries=TUNING.retries, tuning=TUNING
+    )
+    rows: list[dict[str, Any]] = []
+    with DeltaCompressionTracker(spec, tracker_config) as tracker:
+        try:
+            coordinator.configure_tree(list(addresses))
+            for version, step in enumerate(steps, start=1):
+                state = by_name[step.state]
+                timed = _timed_refit(coordinator, tracker, client, state, version, step)
+                rows.append({"case": step.case, **timed})
+            expected = digests(by_name[steps[-1].state])
+            held = coordinator.status(digests=True)
+            exact = all(isinstance(s, dict) and s["digests"] == expected for s in held.values())
+        finally:
+            client.close()
+            coordinator.close()
+    return {"rows": rows, "bitexact": exact}
+
+
+def _median_rows(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """One result row from the timed repeats of a case (median seconds)."""
+    seconds = [float(r["seconds"]) for r in rows]
+    row = {**rows[0], **extra, "seconds": statistics.median(seconds), "repeats": len(rows)}
+    row["gbps_dense"] = row["dense_bytes"] / row["seconds"] / 1e9
+    return row
+
+
+# -- loopback --------------------------------------------------------------------------------
+
+
+def loopback(
+    ctx: BenchContext, sizes: Sizes
+) -> tuple[list[dict[str, Any]], dict[str, float | bool]]:
+    """Dense and 1%-changed refits through one loopback relay, and raw pyzmq of the bytes."""
+    config = engine_config(sizes.dense_bytes, sizes.hidden)
+    nbytes = state_bytes(config)
+    repeats = sizes.repeats
+    dense = [Step("loopback_dense", "base", True, pre_encoded=True) for _ in range(repeats + 1)]
+    sparse = [Step("loopback_sparse_1pct", s, False) for s in ("new", "base") * repeats]
+    deadline = Deadline(600 + nbytes / 20e6 * (2 * repeats + 2), "relay bench (loopback)")
+    ctx.progress(f"loopback: {len(dense)} dense and {len(sparse)} sparse refits", 0.0)
+    producing = Producing(bucket_bytes=LOOPBACK_BUCKET_BYTES, compress=False, threads=ctx.threads)
+    with relays([None], ["127.0.0.1"], config, deadline) as addresses:
+        produced = produce(addresses, config, [*dense, *sparse], producing)
+    ctx.progress("loopback: raw pyzmq stream", 0.5)
+    raw_gbps = zmq_stream_gbps(nbytes, repeats=repeats, chunk_bytes=CHUNK_BYTES)
+    rows = produced["rows"]
+    ours = _median_rows(rows[1 : repeats + 1])  # the first resync warms up
+    sparse_row = _median_rows(rows[repeats + 1 :])
+    raw_s = nbytes / raw_gbps / 1e9
+    raw = {"case": "loopback_raw_zmq", "dense_bytes": nbytes, "wire_bytes": nbytes}
+    raw.update(seconds=raw_s, gbps_dense=raw_gbps, repeats=repeats)
+    summary: dict[str, float | bool] = {
+        "transport_efficiency_vs_raw_zmq": raw_s / ours["seconds"],
+        "loopback_sparse_1pct_gbps_dense": sparse_row["gbps_dense"],
+        "loopback_bitexact": produced["bitexact"],
+    }
+    return [ours, sparse_row, raw], summary
+
+
+# -- shaped links ----------------------------------------------------------------------------
+
+
+def _star_sender(
+    ip: str, receivers: int, nbytes: int, rounds: int, timeout_s: float
+) -> list[float]:
+    """Producer of the raw star: ``nbytes`` to each receiver at once, per round, timed to the
+    last acknowledgement (receivers are ``refit_lab.bench.references``' zmq receivers)."""
+    deadline = Deadline(timeout_s, "raw star sender")
+    view = np.full(nbytes, _FILL, dtype=np.uint8).data
+    times: list[float] = []
+    with zmq.Context() as context:
+        context.setsockopt(zmq.LINGER, 0)
+        pushes, acks = [], []
+        for index in range(receivers):
+            push, ack = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+            push.bind(f"tcp://{ip}:{_RAW_PORT + index}")
+            ack.bind(f"tcp://{ip}:{_RAW_PORT + 100 + index}")
+            pushes.append(push)
+            acks.append(ack)
+        for ack in acks:
+            _await(ack, deadline)
+        for _ in range(rounds):
+            started = time.perf_counter()
+            senders = [
+                threading.Thread(target=_push_all, args=(push, view, deadline)) for push in pushes
+            ]
+            for sender in senders:
+                sender.start()
+            for sender in senders:
+                sender.join(deadline.remaining_s())
+            for ack in acks:
+                _await(ack, deadline)
+            times.append(time.perf_counter() - started)
+        for sock in (*pushes, *acks):
+            sock.close()
+    return times
+
+
+def _push_all(push: zmq.Socket[bytes], view: memoryview, deadline: Deadline) -> None:
+    for offset in range(0, len(view), CHUNK_BYTES):
+        while not push.poll(100, zmq.POLLOUT):
+            deadline.check()
+        push.send(view[offset : offset + CHUNK_BYTES], copy=False)
+
+
+def _await(sock: zmq.Socket[bytes], deadline: Deadline) -> None:
+    while not sock.poll(100):
+        deadline.check()
+    sock.recv()
+
+
+def raw_star(
+    lan: ShapedLan, receivers: int, nbytes: int, rounds: int, deadline: Deadline
+) -> list[float]:
+    """Round times of raw pyzmq streams from host 0 to hosts 1..``receivers`` at once."""
+    producer_ip = lan.ips[0]
+    receiver_args = [
+        (
+            lan.namespaces[i],
+            _zmq_receiver,
+            f"tcp://{producer_ip}:{_RAW_PORT + i - 1}",
+            f"tcp://{producer_ip}:{_RAW_PORT + 99 + i}",
+            nbytes,
+            CHUNK_BYTES,
+            rounds,
+            deadline.remaining_s(),
+        )
+        for i in range(1, receivers + 1)
+    ]
+    sender_args = [
+        (
+            lan.namespaces[0],
+            _star_sender,
+            producer_ip,
+            receivers,
+            nbytes,
+            rounds,
+            deadline.remaining_s(),
+        )
+    ]
+    with (
+        ChildGroup(_in_netns, receiver_args, deadline=deadline, name="raw-receiver") as receiving,
+        ChildGroup(_in_netns, sender_args, deadline=deadline, name="raw-sender") as sending,
+    ):
+        (times,) = sending.results()
+        receiving.results()
+    result: list[float] = times
+    return result
+
+
+def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[str, float | bool]]:
+    """The shaped-link cases (see the module docstring)."""
+    hosts = 1 + max(sizes.receivers)
+    dense_config = engine_config(sizes.dense_bytes, sizes.hidden)
+    tree_config = engine_config(sizes.tree_bytes, sizes.hidden)
+    dense_bytes, tree_bytes = state_bytes(dense_config), state_bytes(tree_config)
+    link_s = 8 * (dense_bytes + sum(sizes.receivers) * 2 * tree_bytes) / 500e6
+    deadline = Deadline(900 + 4 * sizes.repeats * link_s, "relay bench (shaped)")
+    rows: list[dict[str, Any]] = []
+    exact = True
+    with ShapedLan(hosts) as lan:
+        ctx.progress("shaped: raw dense transfer to one host", 0.05)
+        raw = raw_star(lan, 1, dense_bytes, sizes.repeats + 1, deadline)[1:]
+        rows.append(
+            {
+                "case": "shaped_raw_dense",
+                "receivers": 1,
+                "seconds": statistics.median(raw),
+                "dense_bytes": dense_bytes,
+                "wire_bytes": dense_bytes,
+            }
+        )
+        ctx.progress("shaped: 1%-changed refit through one relay", 0.15)
+        steps = [Step("resync", "base", True)] + [
+            Step("shaped_sparse_1pct", s, False) for s in ("new", "base") * sizes.repeats
+        ]
+        produced = _produce_in(
+            lan, 1, dense_config, steps, Producing(threads=ctx.threads), deadline
+        )
+        rows.append(_median_rows(produced["rows"][1:], receivers=1))
+        exact &= bool(produced["bitexact"])
+        for done, receivers in enumerate(sizes.receivers):
+            ctx.progress(
+                f"shaped: {receivers} receivers, tree and star",
+                0.25 + 0.7 * done / len(sizes.receivers),
+            )
+            before = lan.counters()
+            steps = [Step("shaped_tree_dense", "base", True) for _ in range(sizes.repeats + 1)]
+            produced = _produce_in(
+                lan, receivers, tree_config, steps, Producing(threads=ctx.threads), deadline
+            )
+            traffic = [
+                {k: after[k] - b[k] for k in after}
+                for after, b in zip(lan.counters(), before, strict=True)
+            ]
+            rows.append(
+                _median_rows(
+                    produced["rows"][1:], receivers=receivers, veth_bytes=traffic[: receivers + 1]
+                )
+            )
+            exact &= bool(produced["bitexact"])
+            before = lan.counters()
+            star = raw_star(lan, receivers, tree_bytes, sizes.repeats + 1, deadline)[1:]
+            traffic = [
+                {k: after[k] - b[k] for k in after}
+                for after, b in zip(lan.counters(), before, strict=True)
+            ]
+            rows.append(
+                {
+                    "case": "shaped_star_dense",
+                    "receivers": receivers,
+                    "seconds": statistics.median(star),
+                    "dense_bytes": tree_bytes,
+                    "wire_bytes": receivers * tree_bytes,
+                    "veth_bytes": traffic[: receivers + 1],
+                }
+            )
+    return rows, _shaped_summary(rows, exact)
+
+
+def _produce_in(
+    lan: ShapedLan,
+    receivers: int,
+    config: ReferenceModelConfig,
+    steps: Sequence[Step],
+    producing: Producing,
+    deadline: Deadline,
+) -> dict[str, Any]:
+    """Relays on hosts 1..``receivers`` (a chain rooted at host 1), the producer on host 0."""
+    hosts = range(1, receivers + 1)
+    netns = [lan.namespaces[i] for i in hosts]
+    ips = [lan.ips[i] for i in hosts]
+    with relays(netns, ips, config, deadline) as addresses:
+        args = [(lan.namespaces[0], produce, addresses, config, steps, producing)]
+        with ChildGroup(_in_netns, args, deadline=deadline, name="producer") as producer:
+            (produced,) = producer.results()
+    result: dict[str, Any] = produced
+    return result
+
+
+def _shaped_summary(rows: list[dict[str, Any]], exact: bool) -> dict[str, float | bool]:
+    def seconds(case: str, receivers: int) -> float:
+        return next(
+            float(r["seconds"]) for r in rows if r["case"] == case and r["receivers"] == receivers
+        )
+
+    most = max(int(r["receivers"]) for r in rows)
+    return {
+        "shaped_sparse_speedup_vs_dense": seconds("shaped_raw_dense", 1)
+        / seconds("shaped_sparse_1pct", 1),
+        "shaped_tree1_vs_star1": seconds("shaped_tree_dense", 1) / seconds("shaped_star_dense", 1),
+        f"shaped_tree_time_ratio_{most}_vs_1": seconds("shaped_tree_dense", most)
+        / seconds("shaped_tree_dense", 1),
+        f"shaped_star_time_ratio_{most}_vs_1": seconds("shaped_star_dense", most)
+        / seconds("shaped_star_dense", 1),
+        "shaped_bitexact": exact,
+    }
+
+
+# -- entry points ----------------------------------------------------------------------------
+
+
+def measure(ctx: BenchContext, sizes: Sizes, *, shaped_links: bool | None = None) -> BenchReport:
+    """Loopback always; shaped links when ``shaped_links`` (None: when namespaces can be made)."""
+    rows, summary = loopback(ctx, sizes)
+    reason = netns_available()
+    if shaped_links is None:
+        shaped_links = reason is None
+    if shaped_links:
+        shaped_rows, shaped_summary = shaped(ctx, sizes)
+        rows += shaped_rows
+        summary.update(shaped_summary)
+    else:
+        logger.warning("shaped-link cases skipped: %s", reason or "not asked for")
+    summary["all_receivers_bitexact"] = bool(summary.pop("loopback_bitexact")) and bool(
+        summary.pop("shaped_bitexact", True)
+    )
+    summary["shaped_measured"] = bool(shaped_links)
+    ctx.progress("relay done", 1.0)
+    return BenchReport(
+        bench="relay", quick=ctx.quick, machine=machine_info(), results=rows, summary=summary
+    )
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    """The registered entry point: quick (64 MiB) or full (1 GiB dense, 256 MiB tree) sizes."""
+    return measure(ctx, QUICK if ctx.quick else FULL)

@@ -1,0 +1,23 @@
+"""The local cluster helper (Ray itself is exercised by the backends' tests)."""
+
+from __future__ import annotations
+
+import socket
+
+from refit_core.protocols import ClusterLike
+from refit_lab.ray_cluster import LocalCluster, free_port
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_local_cluster_is_cluster_like_with_a_fresh_port_per_call() -> None:
+    cluster = LocalCluster(3)
+    assert isinstance(cluster, ClusterLike)
+    assert cluster.world_size() == 3
+    assert cluster.get_placement_groups() == []
+    host, port = cluster.get_master_address_and_port()
+    assert host == "127.0.0.1" and 0 < port < 65536

@@ -1,0 +1,78 @@
+"""The ``vllm.non-colocated.collective`` row: build a synchronizer from a factory request.
+
+``policy`` is either a trainer whose ranks are Ray actors (:class:`CollectivePolicy`) or a
+plain ``PolicyLike`` in the controller's process, which then sends as the only trainer rank.
+``generation`` lists its engine shards as Ray actors serving :class:`EngineEndpoint`'s
+``refit_*`` methods (:class:`CollectiveGeneration`). ``train_cluster`` provides each group's
+rendezvous address on trainer rank 0's host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from refit_core import SynchronizerRequest
+from refit_core.protocols import ClusterLike, PolicyLike
+from refit_nccl.endpoint import TrainerEndpoint
+from refit_nccl.participants import ActorParticipant, LocalParticipant, Participant
+from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
+
+__all__ = ["CollectiveGeneration", "CollectivePolicy", "build_collective_synchronizer"]
+
+
+@runtime_checkable
+class CollectivePolicy(Protocol):
+    """A trainer whose ranks are Ray actors serving :class:`TrainerEndpoint`'s methods."""
+
+    def collective_trainers(self) -> Sequence[Any]:
+        """Actor handles of the trainer ranks, rank 0 (the sender) first."""
+        ...
+
+
+@runtime_checkable
+class CollectiveGeneration(Protocol):
+    """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods."""
+
+    def collective_shards(self) -> Mapping[int, Sequence[Any]]:
+        """Shard index -> actor handles of its workers; a restarted worker has a new handle."""
+        ...
+
+
+def _trainers(policy: object) -> list[Participant]:
+    if isinstance(policy, CollectivePolicy):
+        handles = policy.collective_trainers()
+        return [ActorParticipant(h, f"trainer {rank}") for rank, h in enumerate(handles)]
+    if isinstance(policy, PolicyLike):
+        return [LocalParticipant(TrainerEndpoint(policy), "trainer 0")]
+    raise ValueError(
+        "policy must provide collective_trainers() (Ray trainer ranks) or weight_source()"
+    )
+
+
+def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
+    """The factory's builder for (vllm, non-colocated, collective).
+
+    Raises:
+        ValueError: a policy, generation or train_cluster without the methods it needs.
+    """
+    generation = request.generation
+    if not isinstance(generation, CollectiveGeneration):
+        raise ValueError("generation must provide collective_shards() (engine worker actors)")
+    cluster = request.train_cluster
+    if not isinstance(cluster, ClusterLike):
+        raise ValueError("train_cluster must provide get_master_address_and_port()")
+
+    def shards() -> ShardMap:
+        return {
+            index: [ActorParticipant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
+            for index, hs in generation.collective_shards().items()
+        }
+
+    return CollectiveWeightSynchronizer(
+        _trainers(request.policy),
+        shards,
+        cluster.get_master_address_and_port,
+        refit_timeout_s=request.refit_timeout_s,
+        options=CollectiveOptions(buffer_size_bytes=request.refit_buffer_size_bytes),
+    )

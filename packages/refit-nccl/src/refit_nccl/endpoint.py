@@ -1,0 +1,327 @@
+"""The participant side of a collective refit: what each trainer rank and engine worker runs.
+
+An endpoint is a plain object whose ``refit_*`` methods the controller calls, usually as a
+Ray actor (``ray.remote(EngineEndpoint).options(max_concurrency=2)``, so ``refit_abort`` is
+served while a transfer blocks) or as a member of a framework's own worker that forwards
+those methods. Every call that touches the group carries the remaining deadline, armed here,
+inside the participant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from refit_core import (
+    CollectiveSenderSpec,
+    Deadline,
+    GeometryMismatchError,
+    RefitAbortedError,
+    RefitError,
+    RefitTimeoutError,
+    TensorSpec,
+)
+from refit_core.protocols import PolicyLike
+from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
+from refit_nccl.geometry import DEFAULT_GEOMETRY
+from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.handshake import agree_on_plan
+from refit_nccl.plan import TransferPlan
+from refit_nccl.storage import StagingBuffers
+
+__all__ = [
+    "CollectiveEngine",
+    "EngineEndpoint",
+    "EngineStatus",
+    "JoinRequest",
+    "StateItems",
+    "TrainerEndpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+StateItems = tuple[tuple[str, TensorSpec], ...]
+"""A state's ``(name, spec)`` pairs in transfer order (picklable, ordered)."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Everything a participant needs to join one group and plan its transfers.
+
+    Attributes:
+        group: this participant's place in the group.
+        state: the trainer's state, in transfer order.
+        geometry: the packing geometry the engines declared.
+        timeout_s: what is left of the deadline (None: disarmed).
+    """
+
+    group: GroupSpec
+    state: StateItems
+    geometry: CollectiveSenderSpec
+    timeout_s: float | None
+
+
+@runtime_checkable
+class CollectiveEngine(Protocol):
+    """The engine calls an :class:`EngineEndpoint` makes (``ReferenceEngine`` fits)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        """Copy checkpoint-named tensors into the model; they are only valid during the call."""
+        ...
+
+    def reset_prefix_cache(self) -> object:
+        """Drop every prefix/KV computed with older weights."""
+        ...
+
+    def set_weight_version(self, version: int) -> object:
+        """Commit the version of the loaded weights."""
+        ...
+
+    def checkpoint_tensor_specs(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """Checkpoint name -> ``(shape, dtype name)`` the engine accepts."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """An engine worker's refit state.
+
+    Attributes:
+        committed_version: the version it serves (0: its initial weights).
+        loaded_version: the version fully received and loaded but maybe not committed.
+        dirty: a transfer failed part-way; the weights are mixed until the next full refit.
+        connected: whether its group is usable.
+        abort_cause: why its group was aborted, if it was.
+    """
+
+    committed_version: int
+    loaded_version: int | None
+    dirty: bool
+    connected: bool
+    abort_cause: str | None
+
+
+def _deadline(timeout_s: float | None, what: str) -> Deadline:
+    """The participant's own deadline from what the controller said was left."""
+    if timeout_s is not None and timeout_s <= 0:
+        raise RefitTimeoutError(f"no time left for {what}")
+    return Deadline.after(timeout_s)
+
+
+class _Endpoint(ABC):
+    """Group membership, plan and deadline handling shared by both roles."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._group: AbortableProcessGroup | None = None
+        self._plan: TransferPlan | None = None
+        self._staging = StagingBuffers()
+
+    def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
+        """Check ``state`` and ``geometry`` against this participant and return the plan
+        digest, without joining anything (the controller compares digests before any
+        rendezvous, so a mismatch never leaves peers waiting in one).
+
+        Raises:
+            GeometryMismatchError: this participant cannot take part in such a transfer.
+        """
+        return self._plan_for(state, geometry).digest
+
+    def refit_join(self, request: JoinRequest) -> str:
+        """Leave any previous group, join ``request.group`` and agree on the plan.
+
+        Returns the plan digest.
+
+        Raises:
+            GeometryMismatchError: this participant plans differently from the others.
+            RefitTimeoutError: the rendezvous or the handshake passed the deadline.
+        """
+        with self._lock:
+            self._leave("joining a new group")
+            deadline = _deadline(request.timeout_s, "join")
+            plan = self._plan_for(request.state, request.geometry)
+            group = AbortableProcessGroup(request.group)
+            self._group = group
+            group.connect(deadline)
+            try:
+                agree_on_plan(group, plan.digest, deadline)
+            except RefitError as exc:
+                group.abort(f"handshake failed: {exc}")
+                raise
+            self._plan = plan
+            logger.info("%s: joined, plan %s", request.group.label, plan.digest[:16])
+            return plan.digest
+
+    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
+        """Move one refit's weights through the group (the role decides the direction)."""
+        with self._lock:
+            group, plan = self._joined()
+            return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
+
+    def refit_abort(self, cause: str, group_name: str | None = None) -> None:
+        """Abort the current group (only if it is ``group_name``, when given); never blocks,
+        so it is safe while a transfer runs."""
+        group = self._group
+        if group is not None and group_name in (None, group.spec.name):
+            group.abort(cause)
+
+    def _leave(self, cause: str) -> None:
+        if self._group is not None:
+            self._group.abort(cause)
+        self._group = None
+        self._plan = None
+
+    def _joined(self) -> tuple[AbortableProcessGroup, TransferPlan]:
+        group, plan = self._group, self._plan
+        if group is None or plan is None:
+            raise RefitAbortedError("not in a group: call refit_join first")
+        return group, plan
+
+    @abstractmethod
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        """Check the transfer against this participant and plan it."""
+
+    @abstractmethod
+    def _transfer(
+        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
+    ) -> TransferStats:
+        """Run this participant's side of one transfer."""
+
+
+class TrainerEndpoint(_Endpoint):
+    """A trainer rank: rank 0 broadcasts the policy's weights, other trainer ranks receive
+    and discard them (a broadcast needs every member).
+
+    Args:
+        policy: where the weights come from; ``weight_source()`` is read on every refit.
+    """
+
+    def __init__(self, policy: PolicyLike) -> None:
+        super().__init__()
+        self._policy = policy
+
+    def refit_state(self) -> StateItems:
+        """The state this trainer sends, in transfer order."""
+        return tuple(self._policy.weight_source().state_dict_info().items())
+
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        # The state is trainer rank 0's own; the sender checks every tensor against the plan.
+        return TransferPlan.build(dict(state), geometry)
+
+    def _transfer(
+        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
+    ) -> TransferStats:
+        if group.rank == 0:
+            source = self._policy.weight_source()
+            tensors = ((item.name, item.tensor) for item in source.iter_tensors())
+            stats = send_packed(group, plan, tensors, deadline, staging=self._staging)
+            logger.info("%s: sent version %d in %.3f s", group.spec.label, version, stats.total_s)
+            return stats
+        return receive_packed(group, plan, lambda _: None, deadline, staging=self._staging)
+
+
+class EngineEndpoint(_Endpoint):
+    """An engine worker: receives every bucket into ``engine.load_weights``, commits on request.
+
+    Args:
+        engine_factory: builds (or returns) the engine, on first use.
+        geometry: the packing geometry this receiver declares.
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], CollectiveEngine],
+        geometry: CollectiveSenderSpec = DEFAULT_GEOMETRY,
+    ) -> None:
+        super().__init__()
+        self._engine_factory = engine_factory
+        self._engine: CollectiveEngine | None = None
+        self._geometry = geometry
+        self._committed = 0
+        self._loaded: int | None = None
+        self._dirty = False
+
+    @property
+    def engine(self) -> CollectiveEngine:
+        """The engine (built on first use)."""
+        if self._engine is None:
+            self._engine = self._engine_factory()
+        return self._engine
+
+    def refit_geometry(self) -> CollectiveSenderSpec:
+        """The packing geometry this receiver declares."""
+        return self._geometry
+
+    def refit_commit(self, version: int) -> int:
+        """Serve ``version``: drop stale prefix caches, then commit the version.
+
+        Raises:
+            RefitError: ``version`` was not fully loaded by the last transfer.
+        """
+        with self._lock:
+            if self._loaded != version or self._dirty:
+                raise RefitError(
+                    f"cannot commit version {version}: loaded {self._loaded}, dirty {self._dirty}"
+                )
+            self.engine.reset_prefix_cache()
+            self.engine.set_weight_version(version)
+            self._committed = version
+            return version
+
+    def refit_status(self) -> EngineStatus:
+        """This worker's refit state."""
+        group = self._group
+        return EngineStatus(
+            self._committed,
+            self._loaded,
+            self._dirty,
+            group is not None and group.connected,
+            group.abort_cause if group is not None else None,
+        )
+
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        if geometry != self._geometry:
+            raise GeometryMismatchError(
+                f"this receiver declared {self._geometry}, the plan uses {geometry}"
+            )
+        expected = {
+            name: TensorSpec(tuple(shape), dtype)
+            for name, (shape, dtype) in self.engine.checkpoint_tensor_specs().items()
+        }
+        offered = dict(state)
+        problems = sorted(
+            [f"missing {n}" for n in expected.keys() - offered.keys()]
+            + [f"unexpected {n}" for n in offered.keys() - expected.keys()]
+            + [
+                f"{n}: sent {offered[n]}, expected {spec}"
+                for n, spec in expected.items()
+                if n in offered and offered[n] != spec
+            ]
+        )
+        if problems:
+            shown = "; ".join(problems[:5])
+            raise GeometryMismatchError(
+                f"the trainer's state does not fit this engine ({len(problems)} problems): {shown}"
+            )
+        return TransferPlan.build(offered, geometry)
+
+    def _transfer(
+        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
+    ) -> TransferStats:
+        engine = self.engine
+        self._loaded = None
+
+        def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            self._dirty = True
+            engine.load_weights(items)
+
+        stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+        self._loaded, self._dirty = version, False
+        logger.info("%s: loaded version %d in %.3f s", group.spec.label, version, stats.total_s)
+        return stats

@@ -1,0 +1,416 @@
+"""An abortable process group outside torch.distributed's default world.
+
+Each group rendezvouses over its own TCPStore (rank 0 hosts it on the given port, as vLLM's
+stateless groups do), warms up with a one-element all-reduce, and runs every call under the
+caller's :class:`~refit_core.Deadline`: the remaining time is passed to calls that take a
+timeout (gloo) and a watchdog aborts the communicator where abort releases calls (NCCL).
+A call that does not complete aborts the group; every later call raises
+:class:`~refit_core.RefitAbortedError` naming that first cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    BroadcastOptions,
+    PrefixStore,
+    ReduceOp,
+    TCPStore,
+    Work,
+)
+from torch.distributed import DistStoreError
+
+from refit_core import Deadline, ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_nccl.backends import Backend, BackendTraits, Communicator, traits_of
+from refit_nccl.watchdog import Watchdog
+
+__all__ = [
+    "DISARMED_TIMEOUT_S",
+    "AbortableProcessGroup",
+    "GroupSpec",
+    "PendingCall",
+    "ReduceOpName",
+]
+
+logger = logging.getLogger(__name__)
+
+ReduceOpName = Literal["sum", "max", "min"]
+
+_REDUCE_OPS: dict[str, ReduceOp.RedOpType] = {
+    "sum": ReduceOp.SUM,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+}
+
+DISARMED_TIMEOUT_S = 1800.0
+"""Timeout of calls made under a disarmed deadline (torch's own default)."""
+
+_MIN_WAIT_S = 0.001
+"""Work.wait treats a zero timeout as "no timeout"; never pass less than this."""
+
+_DEADLINE_SLOP_S = 0.1
+"""A call failing this close to its deadline is reported as a timeout (gloo's own timer
+fires a hair before the deadline the timeout was derived from)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Who a participant is in one group and where the group meets.
+
+    Attributes:
+        host: address of the TCPStore that rank 0 hosts.
+        port: the store's port; use a fresh one per group.
+        rank: this participant's rank.
+        world_size: number of ranks.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+        name: prefix of the group's store keys.
+        disarmed_timeout_s: timeout of calls made under a disarmed deadline.
+    """
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    backend: Backend = "gloo"
+    name: str = "refit"
+    disarmed_timeout_s: float = DISARMED_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not self.disarmed_timeout_s > 0:
+            raise ValueError(f"disarmed_timeout_s must be > 0, got {self.disarmed_timeout_s}")
+        traits_of(self.backend)
+
+    @property
+    def label(self) -> str:
+        """``name rank r/n`` for messages."""
+        return f"{self.name} rank {self.rank}/{self.world_size}"
+
+
+class PendingCall:
+    """An issued call; :meth:`wait` blocks until it completes or its deadline passes."""
+
+    def __init__(
+        self, group: AbortableProcessGroup, what: str, work: Work, deadline: Deadline
+    ) -> None:
+        self._group = group
+        self._work: Work | None = work
+        self.what = what
+        self.deadline = deadline
+
+    def wait(self) -> None:
+        """Block until the call completes; idempotent.
+
+        Raises:
+            RefitTimeoutError: the call did not complete by its deadline, or a peer failed;
+                the group is aborted.
+            RefitAbortedError: the group was aborted by its owner while the call ran.
+        """
+        work, self._work = self._work, None
+        if work is not None:
+            self._group._complete(self, work)
+
+
+class AbortableProcessGroup:
+    """A process group whose calls all end by their deadline and that can be aborted.
+
+    Create it, then :meth:`connect`. :meth:`abort` is idempotent, never calls destroy
+    (a collective that hangs when a peer is dead) and drops the communicator and the store
+    once no call is in flight. Tensors must be contiguous and on :attr:`device`.
+    """
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self._traits: BackendTraits = traits_of(spec.backend)
+        self._lock = threading.Lock()
+        self._pg: Communicator | None = None
+        self._store: TCPStore | None = None
+        self._abort_cause: str | None = None
+        self._in_flight = 0
+        self._device: torch.device | None = None
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This participant's rank."""
+        return self.spec.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.spec.world_size
+
+    @property
+    def backend(self) -> Backend:
+        """The communicator backend."""
+        return self.spec.backend
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors this group moves."""
+        if self._device is None:
+            self._device = self._traits.device()
+        return self._device
+
+    @property
+    def connected(self) -> bool:
+        """Whether :meth:`connect` succeeded and the group is not aborted."""
+        with self._lock:
+            return self._pg is not None and self._abort_cause is None
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the group was aborted."""
+        return self._abort_cause is not None
+
+    @property
+    def abort_cause(self) -> str | None:
+        """Why the group was aborted, or None."""
+        return self._abort_cause
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def connect(self, deadline: Deadline) -> None:
+        """Rendezvous over the store, build the communicator and warm it up.
+
+        Raises:
+            RefitTimeoutError: a peer did not arrive before the deadline.
+            RefitAbortedError: the group was aborted before or during the rendezvous.
+            RefitError: the rendezvous failed otherwise (for example the port is taken).
+        """
+        spec = self.spec
+        with self._lock:
+            self._raise_if_aborted("connect")
+            if self._pg is not None:
+                return
+        logger.debug("%s: rendezvous at %s:%d", spec.label, spec.host, spec.port)
+        with self._guard(deadline, "rendezvous"):
+            try:
+                timeout = self._timeout(deadline, "rendezvous")
+                store = TCPStore(
+                    spec.host,
+                    spec.port,
+                    spec.world_size,
+                    is_master=spec.rank == 0,
+                    timeout=timeout,
+                    wait_for_workers=True,
+                )
+                construct_timeout = (
+                    timeout
+                    if self._traits.per_call_timeout
+                    else timedelta(seconds=spec.disarmed_timeout_s)
+                )
+                pg = self._traits.construct(
+                    PrefixStore(spec.name, store),
+                    spec.rank,
+                    spec.world_size,
+                    construct_timeout,
+                    spec.host,
+                )
+            except Exception as exc:
+                raise self._rendezvous_error(exc, deadline) from exc
+        with self._lock:
+            if self._abort_cause is None:
+                self._pg, self._store = pg, store
+        self._raise_if_aborted("connect")
+        probe = torch.ones(1, device=self.device)
+        self.all_reduce(probe, deadline)
+        if int(probe.item()) != spec.world_size:
+            self.abort(f"warm-up all-reduce summed to {probe.item()}, not {spec.world_size}")
+            raise ProtocolError(f"{spec.label}: warm-up all-reduce disagrees on the world size")
+        logger.info("%s: connected (%s)", spec.label, spec.backend)
+
+    def abort(self, cause: str = "aborted by its owner") -> None:
+        """Make the group unusable; idempotent, safe from any thread, never blocks on peers."""
+        with self._lock:
+            if self._abort_cause is not None:
+                return
+            self._abort_cause = cause
+            pg = self._pg
+        logger.info("%s: aborted: %s", self.spec.label, cause)
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:
+                logger.debug("%s: backend abort failed", self.spec.label, exc_info=True)
+        with self._lock:
+            self._release_if_idle()
+
+    # -- calls -------------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, root: int, deadline: Deadline) -> None:
+        """Broadcast ``tensor`` from ``root`` into every rank's ``tensor``."""
+        self.broadcast_async(tensor, root, deadline).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int, deadline: Deadline) -> PendingCall:
+        """Issue a broadcast; the caller must :meth:`PendingCall.wait` before reusing ``tensor``."""
+        self._check_tensor(tensor)
+        self._check_rank(root)
+
+        def start(pg: Communicator, timeout: timedelta) -> Work:
+            options = BroadcastOptions()
+            options.rootRank = root
+            options.rootTensor = 0
+            if self._traits.per_call_timeout:
+                options.timeout = timeout
+            return pg.broadcast([tensor], options)
+
+        return self._issue(f"broadcast from {root}", deadline, start)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, deadline: Deadline, op: ReduceOpName = "sum"
+    ) -> None:
+        """Reduce ``tensor`` in place across all ranks."""
+        self._check_tensor(tensor)
+        reduce_op = _REDUCE_OPS[op]
+
+        def start(pg: Communicator, timeout: timedelta) -> Work:
+            options = AllreduceOptions()
+            options.reduceOp = reduce_op
+            if self._traits.per_call_timeout:
+                options.timeout = timeout
+            return pg.allreduce([tensor], options)
+
+        self._issue(f"all_reduce {op}", deadline, start).wait()
+
+    def send(self, tensor: torch.Tensor, dst: int, deadline: Deadline, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dst``."""
+        self._check_tensor(tensor)
+        self._check_rank(dst)
+        self._issue(f"send to {dst}", deadline, lambda pg, _: pg.send([tensor], dst, tag)).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, deadline: Deadline, tag: int = 0) -> None:
+        """Receive into ``tensor`` from rank ``src``."""
+        self._check_tensor(tensor)
+        self._check_rank(src)
+        self._issue(f"recv from {src}", deadline, lambda pg, _: pg.recv([tensor], src, tag)).wait()
+
+    def barrier(self, deadline: Deadline) -> None:
+        """Block until every rank has reached the barrier."""
+        # An all-reduce rather than the backend barrier: NCCL's barrier guesses a device
+        # and gloo's ignores per-call timeouts.
+        self.all_reduce(torch.zeros(1, device=self.device), deadline)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _issue(
+        self,
+        what: str,
+        deadline: Deadline,
+        start: Callable[[Communicator, timedelta], Work],
+    ) -> PendingCall:
+        with self._lock:
+            self._raise_if_aborted(what)
+            pg = self._pg
+            if pg is None:
+                raise RuntimeError(f"{self.spec.label}: {what} before connect()")
+            self._in_flight += 1
+        try:
+            timeout = self._timeout(deadline, what)
+            with self._guard(deadline, what):
+                work = start(pg, timeout)
+        except BaseException as exc:
+            self._settle()
+            raise self._failure(what, exc, deadline) from exc
+        return PendingCall(self, what, work, deadline)
+
+    def _complete(self, call: PendingCall, work: Work) -> None:
+        try:
+            timeout = self._timeout(call.deadline, call.what)
+            with self._guard(call.deadline, call.what):
+                work.wait(max(timeout, timedelta(seconds=_MIN_WAIT_S)))
+        except BaseException as exc:
+            raise self._failure(call.what, exc, call.deadline) from exc
+        finally:
+            self._settle()
+
+    def _timeout(self, deadline: Deadline, what: str) -> timedelta:
+        remaining = deadline.remaining_s()
+        if remaining is None:
+            return timedelta(seconds=self.spec.disarmed_timeout_s)
+        if remaining <= 0:
+            raise RefitTimeoutError(f"{self.spec.label}: deadline passed before {what}")
+        return timedelta(seconds=remaining)
+
+    def _guard(self, deadline: Deadline, what: str) -> contextlib.AbstractContextManager[object]:
+        if not self._traits.abort_releases:
+            return contextlib.nullcontext()
+        cause = f"{what} passed its deadline"
+        return Watchdog(deadline, lambda: self.abort(cause), what=f"{self.spec.label}: {what}")
+
+    def _failure(self, what: str, exc: BaseException, deadline: Deadline) -> BaseException:
+        """The error to raise for a call that did not complete; aborts the group."""
+        if isinstance(exc, RefitError) or not isinstance(exc, Exception):
+            self.abort(f"{what}: {exc!r}")
+            return exc
+        prior = self._abort_cause
+        if prior is not None and not deadline.expired():
+            return RefitAbortedError(
+                f"{self.spec.label}: {what} ended because the group was aborted: {prior}"
+            )
+        remaining = deadline.remaining_s()
+        reason = (
+            "passed its deadline"
+            if remaining is not None and remaining <= _DEADLINE_SLOP_S
+            else "failed (a peer was lost)"
+        )
+        cause = f"{self.spec.label}: {what} {reason}: {_first_line(exc)}"
+        logger.warning("%s; aborting the group", cause)
+        self.abort(cause)
+        return RefitTimeoutError(f"{cause}; the group is aborted")
+
+    def _rendezvous_error(self, exc: BaseException, deadline: Deadline) -> RefitError:
+        if isinstance(exc, RefitError):
+            self.abort(str(exc))
+            return exc
+        cause = f"{self.spec.label}: rendezvous at {self.spec.host}:{self.spec.port} failed"
+        self.abort(f"{cause}: {_first_line(exc)}")
+        if deadline.expired() or isinstance(exc, TimeoutError | DistStoreError):
+            return RefitTimeoutError(f"{cause} by its deadline: {_first_line(exc)}")
+        return RefitError(f"{cause}: {_first_line(exc)}", is_retryable=True)
+
+    def _raise_if_aborted(self, what: str) -> None:
+        if self._abort_cause is not None:
+            raise RefitAbortedError(
+                f"{self.spec.label}: {what} on an aborted group (cause: {self._abort_cause})"
+            )
+
+    def _settle(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """Drop communicator and store once aborted and idle (lock held)."""
+        if self._abort_cause is not None and self._in_flight == 0:
+            self._pg = None
+            self._store = None
+
+    def _check_tensor(self, tensor: torch.Tensor) -> None:
+        if tensor.device != self.device:
+            raise ValueError(f"tensor is on {tensor.device}, the group moves {self.device}")
+        if not tensor.is_contiguous():
+            raise ValueError("collective tensors must be contiguous")
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception (torch appends C++ stack traces)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

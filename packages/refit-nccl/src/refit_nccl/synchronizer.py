@@ -1,0 +1,341 @@
+"""``CollectiveWeightSynchronizer``: packed broadcast from trainer rank 0 to every engine worker.
+
+The controller never moves weights itself: it plans membership, hands each participant its
+place in a fresh group, and waits on their futures for at most the deadline plus a grace
+period. Each participant enforces the deadline on its own calls, so a dead or frozen peer
+ends the refit on every survivor; ``reconcile_communicator`` then rebuilds over the
+survivors (and admits restarted shards) with a fresh rendezvous.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from refit_core import (
+    CollectiveSenderSpec,
+    Deadline,
+    GeometryMismatchError,
+    RefitAbortedError,
+    RefitError,
+    RefitResult,
+    RefitTimeoutError,
+    WeightSynchronizer,
+    WorkerOutcome,
+)
+from refit_nccl.backends import Backend, default_backend
+from refit_nccl.broadcast import TransferStats
+from refit_nccl.endpoint import JoinRequest, StateItems
+from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
+from refit_nccl.membership import Membership, plan_membership
+from refit_nccl.participants import Gathered, Participant, gather
+
+__all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
+
+logger = logging.getLogger(__name__)
+
+ShardMap = Mapping[int, Sequence[Participant]]
+"""Engine shard index -> its workers, in local-rank order."""
+
+
+@dataclass(frozen=True)
+class CollectiveOptions:
+    """Tuning of a :class:`CollectiveWeightSynchronizer`.
+
+    Attributes:
+        backend: communicator backend; None picks ``nccl`` with a GPU, else ``gloo``.
+        buffer_size_bytes: bucket size the deployment requires (``refit_buffer_size_gb``);
+            engines declaring another size are refused. None accepts what they declare.
+        control_timeout_s: bound of non-collective calls (geometry, state, commit).
+        grace_s: how long past the deadline the controller waits for participants to report
+            their own timeout before naming them wedged.
+        settle_s: once the deadline has passed and a participant has failed, how much longer
+            the controller waits for the others (they release by the deadline plus ~1 s).
+        group_name: prefix of each group's store keys; a counter makes every group unique.
+    """
+
+    backend: Backend | None = None
+    buffer_size_bytes: int | None = None
+    control_timeout_s: float = 60.0
+    grace_s: float = 5.0
+    settle_s: float = 1.5
+    group_name: str = "refit"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The group the participants are in now.
+
+    ``seen`` holds the keys of every shard (absent ones included) when it was built: a
+    change there (a restarted or new shard) makes the communicator stale.
+    """
+
+    name: str
+    membership: Membership
+    members: Mapping[int, Participant]
+    absent: frozenset[int]
+    seen: Mapping[int, tuple[Hashable, ...]]
+    digest: str
+
+    @property
+    def engines(self) -> list[Participant]:
+        return [self.members[r] for r in range(self.membership.trainers, len(self.members))]
+
+
+class CollectiveWeightSynchronizer(WeightSynchronizer):
+    """Refit over a collective: vLLM (and the reference engine) on separate GPUs or hosts.
+
+    Args:
+        trainers: the trainer ranks, rank 0 first (rank 0 sends).
+        shards: returns the engine shards now (called at every (re)build and staleness check,
+            so restarted workers are seen).
+        rendezvous: returns a fresh ``(host, port)`` on trainer rank 0's host per group.
+        refit_timeout_s: deadline of one refit (None disarms it).
+        options: tuning.
+    """
+
+    def __init__(
+        self,
+        trainers: Sequence[Participant],
+        shards: Callable[[], ShardMap],
+        rendezvous: Callable[[], tuple[str, int]],
+        *,
+        refit_timeout_s: float | None = None,
+        options: CollectiveOptions | None = None,
+    ) -> None:
+        super().__init__(refit_timeout_s=refit_timeout_s)
+        if not trainers:
+            raise ValueError("need at least one trainer rank")
+        self._trainers = tuple(trainers)
+        self._shards = shards
+        self._rendezvous = rendezvous
+        self._options = options or CollectiveOptions()
+        self._backend: Backend = self._options.backend or default_backend()
+        self._counter = itertools.count()
+        self._group: _Group | None = None
+        self._stale_reason: str | None = None
+
+    @property
+    def membership(self) -> Membership | None:
+        """Who is in the current group (None before the first build)."""
+        return self._group.membership if self._group else None
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _init_communicator(self, deadline: Deadline) -> None:
+        self._build(frozenset(), deadline)
+
+    def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
+        group = self._group
+        if group is None or self._stale_reason is not None:
+            reason = self._stale_reason or "no group"
+            raise RefitAbortedError(
+                f"the communicator is stale ({reason}); call reconcile_communicator()"
+            )
+        started = time.monotonic()
+        left = _left(deadline, f"refit to version {version}")
+        gathered = self._gather_collective(
+            {p: p.call("refit_transfer", version, left) for p in group.members.values()}, deadline
+        )
+        moved = time.monotonic()
+        if not gathered.ok:
+            self._invalidate(group, f"refit to version {version} failed")
+            raise _failure(f"refit to version {version}", gathered, deadline)
+        committed = gather(
+            {p: p.call("refit_commit", version) for p in group.engines},
+            self._control_wait_s(deadline),
+        )
+        if not committed.ok:
+            if committed.missing:
+                self._invalidate(group, "engines did not answer the commit")
+            raise _failure(f"commit of version {version}", committed, deadline)
+        finished = time.monotonic()
+        sender: TransferStats = gathered.results[group.members[0]]
+        received: list[TransferStats] = [gathered.results[p] for p in group.engines]
+        return RefitResult(
+            version=version,
+            timings_s={
+                "transfer": moved - started,
+                "commit": finished - moved,
+                "pack": sender.pack_s,
+                "send_wait": sender.wait_s,
+                "load": max(s.consume_s for s in received),
+                "receive_wait": max(s.wait_s for s in received),
+            },
+            total_s=finished - started,
+            wire_bytes=sender.wire_bytes,
+            dense_bytes=sender.dense_bytes,
+            workers=tuple(WorkerOutcome(p.label, True, version) for p in group.engines),
+        )
+
+    def _is_stale(self) -> bool:
+        group = self._group
+        return self._stale_reason is not None or (
+            group is not None and self._shard_keys() != group.seen
+        )
+
+    def _reconcile_communicator(self, absent_shards: frozenset[int], deadline: Deadline) -> None:
+        group = self._group
+        if group is not None and not self._is_stale() and absent_shards == group.absent:
+            logger.info("reconcile: membership unchanged, nothing to do")
+            return
+        if group is not None:
+            self._invalidate(group, "reconciling")
+        self._build(absent_shards, deadline)
+
+    def _shutdown(self) -> None:
+        if self._group is not None:
+            self._invalidate(self._group, "synchronizer shut down")
+        for participant in self._trainers:
+            participant.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _shard_keys(self) -> dict[int, tuple[Hashable, ...]]:
+        return {index: tuple(w.key for w in ws) for index, ws in self._shards().items()}
+
+    def _build(self, absent: frozenset[int], deadline: Deadline) -> None:
+        everyone = {i: tuple(ws) for i, ws in self._shards().items()}
+        shards = {i: ws for i, ws in everyone.items() if i not in absent}
+        membership = plan_membership(len(self._trainers), {i: len(ws) for i, ws in shards.items()})
+        engines = [w for i in membership.shard_indices for w in shards[i]]
+        geometry = self._agree_geometry(engines, deadline)
+        state: StateItems = self._control(self._trainers[0], "refit_state", deadline)
+        members: dict[int, Participant] = dict(enumerate(self._trainers))
+        for index in membership.shard_indices:
+            for local_rank, worker in enumerate(shards[index]):
+                members[membership.shard(index).rank_of(local_rank)] = worker
+        planned = gather(
+            {p: p.call("refit_plan", state, geometry) for p in members.values()},
+            self._control_wait_s(deadline),
+        )
+        if not planned.ok:
+            raise _failure("planning the transfer", planned, deadline)
+        _require_one_digest(planned)
+        name = f"{self._options.group_name}-{next(self._counter)}"
+        host, port = self._rendezvous()
+        left = _left(deadline, f"joining group {name}")
+        logger.info(
+            "building group %s at %s:%d: %d trainers, shards %s (world %d)",
+            name, host, port, membership.trainers, list(membership.shard_indices),
+            membership.world_size,
+        )  # fmt: skip
+        calls = {
+            participant: participant.call(
+                "refit_join",
+                JoinRequest(
+                    GroupSpec(host, port, rank, membership.world_size, self._backend, name),
+                    state,
+                    geometry,
+                    left,
+                ),
+            )
+            for rank, participant in members.items()
+        }
+        gathered = self._gather_collective(calls, deadline)
+        if not gathered.ok:
+            self._abort_members(name, members.values(), "join failed")
+            raise _failure(f"joining group {name}", gathered, deadline)
+        seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
+        digest = _require_one_digest(gathered)
+        self._group = _Group(name, membership, members, absent, seen, digest)
+        self._stale_reason = None
+
+    def _agree_geometry(
+        self, engines: Sequence[Participant], deadline: Deadline
+    ) -> CollectiveSenderSpec:
+        gathered = gather(
+            {e: e.call("refit_geometry") for e in engines}, self._control_wait_s(deadline)
+        )
+        if not gathered.ok:
+            raise _failure("asking the engines for their geometry", gathered, deadline)
+        declared: dict[CollectiveSenderSpec, list[str]] = {}
+        for engine, spec in gathered.results.items():
+            declared.setdefault(spec, []).append(engine.label)
+        if len(declared) != 1:
+            raise GeometryMismatchError(f"engines declare different geometries: {declared}")
+        geometry = next(iter(declared))
+        wanted = self._options.buffer_size_bytes
+        if wanted is not None and wanted != geometry.buffer_size_bytes:
+            raise GeometryMismatchError(
+                f"refit_buffer_size_gb asks for {wanted} B buckets, the engines declared "
+                f"{geometry.buffer_size_bytes} B"
+            )
+        return geometry
+
+    def _control(self, participant: Participant, method: str, deadline: Deadline) -> Any:
+        gathered = gather({participant: participant.call(method)}, self._control_wait_s(deadline))
+        if not gathered.ok:
+            raise _failure(f"{method} on {participant.label}", gathered, deadline)
+        return gathered.results[participant]
+
+    def _invalidate(self, group: _Group, cause: str) -> None:
+        """Mark the communicator stale and abort its group everywhere."""
+        self._stale_reason = cause
+        self._abort_members(group.name, group.members.values(), cause)
+
+    @staticmethod
+    def _abort_members(name: str, members: Iterable[Participant], cause: str) -> None:
+        """Ask every member to abort group ``name``; never waits (a frozen one never answers)."""
+        for participant in members:
+            participant.call("refit_abort", cause, name)
+
+    def _gather_collective(
+        self, calls: Mapping[Participant, Future[Any]], deadline: Deadline
+    ) -> Gathered:
+        """Wait for collective calls: up to deadline + grace, or deadline + settle once one
+        has failed."""
+        remaining = deadline.remaining_s()
+        if remaining is None or deadline.at is None:
+            return gather(calls, DISARMED_TIMEOUT_S + self._options.grace_s)
+        return gather(
+            calls,
+            remaining + self._options.grace_s,
+            settle_at=deadline.at + self._options.settle_s,
+        )
+
+    def _control_wait_s(self, deadline: Deadline) -> float:
+        remaining = deadline.remaining_s()
+        limit = self._options.control_timeout_s
+        return limit if remaining is None else min(limit, remaining + self._options.grace_s)
+
+
+def _left(deadline: Deadline, what: str) -> float | None:
+    """What is left of ``deadline`` for ``what``; RefitTimeoutError if nothing is."""
+    deadline.check(what)
+    return deadline.remaining_s()
+
+
+def _require_one_digest(gathered: Gathered) -> str:
+    """The plan digest every participant reported; GeometryMismatchError naming who differs."""
+    by_digest: dict[str, list[str]] = {}
+    for participant, digest in gathered.results.items():
+        by_digest.setdefault(digest, []).append(participant.label)
+    if len(by_digest) != 1:
+        groups = "; ".join(f"{d[:16]}...: {', '.join(who)}" for d, who in by_digest.items())
+        raise GeometryMismatchError(f"participants planned different transfers: {groups}")
+    return next(iter(by_digest))
+
+
+def _failure(what: str, gathered: Gathered, deadline: Deadline) -> RefitError:
+    """One error for a set of failed calls: geometry first, then timeout, then the rest."""
+    for participant, error in gathered.errors.items():
+        if isinstance(error, GeometryMismatchError):
+            return GeometryMismatchError(f"{what}: {participant.label}: {error}")
+    details = "; ".join(f"{p.label}: {type(e).__name__}: {e}" for p, e in gathered.errors.items())
+    wedged = [p.label for p in gathered.missing]
+    message = f"{what} failed: {details or 'no error reported'}"
+    if wedged:
+        message += f"; no answer by the deadline from {', '.join(wedged)} (wedged or dead)"
+    timed_out = (
+        bool(wedged)
+        or deadline.expired()
+        or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
+    )
+    error_type = RefitTimeoutError if timed_out else RefitError
+    return error_type(message, is_retryable=True, wedged_workers=wedged)

@@ -1,0 +1,80 @@
+"""The abortable process group: abort semantics, rendezvous deadline, argument checks.
+
+Multi-process calls (all_reduce, send/recv, barrier, broadcast, abort twice, call after
+abort) run in ``test_collectives.py``'s shared worker processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit_core import Deadline, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_lab.ray_cluster import free_port
+from refit_nccl.group import AbortableProcessGroup, GroupSpec
+
+
+def test_abort_of_a_never_connected_group() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 2))
+    group.abort("never connected")
+    group.abort("again")
+    assert group.aborted and group.abort_cause == "never connected"
+    assert not group.connected
+    with pytest.raises(RefitAbortedError, match="never connected"):
+        group.connect(Deadline.after(5))
+
+
+def test_call_before_connect_is_refused() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1))
+    with pytest.raises(RuntimeError, match="before connect"):
+        group.broadcast(torch.zeros(1), 0, Deadline.after(5))
+
+
+@pytest.mark.timeout(30)
+def test_rendezvous_without_peers_ends_by_its_deadline() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 2))
+    with pytest.raises(RefitTimeoutError, match="rendezvous"):
+        group.connect(Deadline.after(1.0))
+    assert group.aborted
+    with pytest.raises(RefitAbortedError):
+        group.connect(Deadline.after(1.0))
+
+
+@pytest.mark.timeout(30)
+def test_single_rank_group_calls_and_argument_checks() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1))
+    group.connect(Deadline.after(10))
+    assert group.connected
+    data = torch.arange(4.0)
+    group.broadcast(data, 0, Deadline.after(5))
+    group.all_reduce(data, Deadline.after(5), op="max")
+    group.barrier(Deadline.after(5))
+    assert data.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="contiguous"):
+        group.broadcast(torch.zeros(4, 4).t(), 0, Deadline.after(5))
+    with pytest.raises(ValueError, match="not in a world"):
+        group.broadcast(data, 3, Deadline.after(5))
+    group.abort("done")
+    with pytest.raises(RefitError, match="done"):
+        group.all_reduce(data, Deadline.after(5))
+
+
+@pytest.mark.timeout(30)
+def test_expired_deadline_aborts_the_group() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1))
+    group.connect(Deadline.after(10))
+    expired = Deadline(0.0)
+    with pytest.raises(RefitTimeoutError, match="deadline passed"):
+        group.broadcast(torch.zeros(1), 0, expired)
+    assert group.aborted
+    with pytest.raises(RefitAbortedError, match="deadline passed"):
+        group.barrier(Deadline.after(5))
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(ValueError, match="not in a world"):
+        GroupSpec("127.0.0.1", 1234, 2, 2)
+    with pytest.raises(ValueError, match="port"):
+        GroupSpec("127.0.0.1", 0, 0, 2)
+    with pytest.raises(ValueError, match="unknown backend"):
+        GroupSpec("127.0.0.1", 1234, 0, 2, backend="mpi")  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""Controller-side participants and gathering their answers by a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from refit_core import RefitTimeoutError
+from refit_nccl.participants import LocalParticipant, gather
+
+
+class Endpoint:
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def answer(self, value: int) -> int:
+        return value
+
+    def fail(self) -> None:
+        raise RefitTimeoutError("peer lost")
+
+    def hang(self) -> None:
+        self.release.wait(30)
+
+
+@pytest.fixture
+def endpoints() -> Iterator[list[tuple[Endpoint, LocalParticipant]]]:
+    created = [
+        (e, LocalParticipant(e, f"p{i}")) for i, e in enumerate(Endpoint() for _ in range(3))
+    ]
+    yield created
+    for endpoint, participant in created:
+        endpoint.release.set()
+        participant.close()
+
+
+@pytest.mark.timeout(20)
+def test_results_errors_and_missing_are_sorted(
+    endpoints: list[tuple[Endpoint, LocalParticipant]],
+) -> None:
+    (_, a), (_, b), (_, c) = endpoints
+    gathered = gather({a: a.call("answer", 7), b: b.call("fail"), c: c.call("hang")}, timeout_s=0.5)
+    assert gathered.results == {a: 7}
+    assert isinstance(gathered.errors[b], RefitTimeoutError)
+    assert gathered.missing == [c]
+    assert not gathered.ok
+
+
+@pytest.mark.timeout(20)
+def test_stops_waiting_at_settle_once_a_call_failed(
+    endpoints: list[tuple[Endpoint, LocalParticipant]],
+) -> None:
+    (_, a), (_, b), _ = endpoints
+    started = time.monotonic()
+    gathered = gather({a: a.call("fail"), b: b.call("hang")}, timeout_s=10, settle_at=started + 0.3)
+    assert time.monotonic() - started < 5
+    assert gathered.missing == [b]
+
+
+@pytest.mark.timeout(20)
+def test_settle_does_not_cut_short_calls_that_all_succeed(
+    endpoints: list[tuple[Endpoint, LocalParticipant]],
+) -> None:
+    (first, a), _, _ = endpoints
+    threading.Timer(0.5, first.release.set).start()
+    gathered = gather({a: a.call("hang")}, timeout_s=10, settle_at=time.monotonic())
+    assert gathered.ok

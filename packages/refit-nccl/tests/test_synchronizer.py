@@ -1,0 +1,242 @@
+"""The collective synchronizer end to end: the factory, Ray engine workers, faults, rejoin."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from refit_core import (
+    CollectiveSenderSpec,
+    GeometryMismatchError,
+    RefitAbortedError,
+    RefitTimeoutError,
+    create_weight_synchronizer,
+)
+from refit_lab.conformance import RefitDeployment, SynchronizerConformance, trainer_generation
+from refit_lab.digest import state_digest
+from refit_lab.faults import freeze, kill, thaw
+from refit_lab.ray_cluster import LocalCluster, local_ray
+from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
+from refit_lab.trainer import SimulatedTrainer
+from refit_nccl import (
+    ActorParticipant,
+    CollectiveWeightSynchronizer,
+    LocalParticipant,
+    TrainerEndpoint,
+)
+
+MiB = 1024 * 1024
+CONFIG = ReferenceModelConfig(vocab_size=512, hidden_size=128, num_layers=3, intermediate_size=384)
+GEOMETRY = CollectiveSenderSpec("refit", MiB, 2)
+PROMPTS = [[1, 2, 3], [7, 7, 7, 7]]
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    import ray_actors
+
+    ray.cloudpickle.register_pickle_by_value(ray_actors)  # type: ignore[no-untyped-call]
+    with local_ray(num_cpus=4, object_store_memory=80 * MiB, log_to_driver=False):
+        yield
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session: None) -> Iterator[Any]:
+    from ray_actors import Fleet
+
+    created = Fleet(CONFIG, GEOMETRY, shards=2)
+    try:
+        yield created
+    finally:
+        created.close()
+
+
+def make_synchronizer(
+    policy: object, fleet: Any, timeout_s: float = 30.0, buffer_gb: float | None = None
+) -> CollectiveWeightSynchronizer:
+    synchronizer = create_weight_synchronizer(
+        policy,
+        fleet,
+        "vllm",
+        False,
+        train_cluster=LocalCluster(1),
+        inference_cluster=LocalCluster(len(fleet.workers)),
+        refit_buffer_size_gb=buffer_gb,
+        refit_timeout_s=timeout_s,
+    )
+    assert isinstance(synchronizer, CollectiveWeightSynchronizer)
+    return synchronizer
+
+
+@dataclass
+class RayDeployment(RefitDeployment):
+    fleet: Any = None
+
+    def engine_digests(self) -> list[dict[str, int]]:
+        digests: list[dict[str, int]] = self.fleet.call("state_digests")
+        return digests
+
+    def engine_versions(self) -> list[int]:
+        versions: list[int] = self.fleet.call("weight_version")
+        return versions
+
+    def engine_generate(self, prompts: Any, max_new_tokens: int) -> list[list[list[int]]]:
+        tokens: list[list[list[int]]] = self.fleet.call("generate", prompts, max_new_tokens)
+        return tokens
+
+
+@pytest.mark.timeout(240)
+class TestCollectiveConformance(SynchronizerConformance):
+    """The shared conformance suite over two reference-engine shards on Ray."""
+
+    @pytest.fixture(autouse=True)
+    def _fresh_fleet(self, fleet: Any) -> None:
+        fleet.reset(seed=100)
+        self.fleet = fleet
+
+    def create_deployment(self) -> RefitDeployment:
+        trainer = SimulatedTrainer(random_checkpoint(CONFIG, 0), lr=1e-2)
+        synchronizer = make_synchronizer(trainer, self.fleet)
+        return RayDeployment(trainer, synchronizer, CONFIG, self.fleet)
+
+
+def digests_match(fleet: Any, trainer: SimulatedTrainer) -> list[bool]:
+    expected = state_digest(trainer.engine_state().items())
+    return [digests == expected for digests in fleet.call("state_digests")]
+
+
+@pytest.mark.timeout(240)
+def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> None:
+    fleet.reset(seed=200)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 1), lr=1e-2)
+    deadline_s = 4.0
+    synchronizer = make_synchronizer(trainer, fleet, timeout_s=deadline_s)
+    victim_pid: int = fleet.call("pid")[1]
+    try:
+        first = synchronizer.sync_weights()
+        assert first.ok and first.timings_s["transfer"] > 0
+        assert digests_match(fleet, trainer) == [True, True]
+
+        trainer.step()
+        freeze(victim_pid)
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError) as raised:
+            synchronizer.sync_weights()
+        elapsed = time.monotonic() - started
+        assert elapsed <= deadline_s + 2.5, f"sync_weights took {elapsed:.1f} s"
+        assert raised.value.wedged_workers == ("shard 1 worker 0",)
+        assert synchronizer.is_stale()
+        import ray
+
+        status = ray.get(fleet.workers[0].refit_status.remote(), timeout=60)
+        assert status.committed_version == 1 and not status.connected
+        assert status.abort_cause is not None
+        with pytest.raises(RefitAbortedError, match="reconcile"):
+            synchronizer.sync_weights()
+
+        synchronizer.reconcile_communicator({1})
+        assert not synchronizer.is_stale()
+        membership = synchronizer.membership
+        assert membership is not None and membership.shard_indices == (0,)
+        retried = synchronizer.sync_weights()
+        assert retried.version == 2 and [w.worker for w in retried.workers] == ["shard 0 worker 0"]
+        shard0 = fleet.workers[0]
+        expected = state_digest(trainer.engine_state().items())
+        assert ray.get(shard0.state_digests.remote(), timeout=60) == expected
+
+        fleet.restart(1, seed=300)  # the frozen shard is replaced by a fresh process
+        assert synchronizer.is_stale()
+        synchronizer.reconcile_communicator(())
+        trainer.step()
+        rejoined = synchronizer.sync_weights()
+        assert rejoined.ok and len(rejoined.workers) == 2
+        assert digests_match(fleet, trainer) == [True, True]
+        assert fleet.call("weight_version") == [3, 3]
+        expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
+        assert fleet.call("generate", PROMPTS, 5) == [expected_tokens, expected_tokens]
+    finally:
+        thaw(victim_pid)
+        kill(victim_pid)
+        synchronizer.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_buffer_size_that_engines_did_not_declare_is_refused(fleet: Any) -> None:
+    fleet.reset(seed=400)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 2))
+    synchronizer = make_synchronizer(trainer, fleet, buffer_gb=0.5)
+    with synchronizer, pytest.raises(GeometryMismatchError, match="refit_buffer_size_gb"):
+        synchronizer.init_communicator()
+
+
+@pytest.mark.timeout(120)
+def test_state_that_does_not_fit_the_engines_is_refused_at_init(fleet: Any) -> None:
+    fleet.reset(seed=500)
+    other = ReferenceModelConfig(
+        vocab_size=512, hidden_size=128, num_layers=2, intermediate_size=384
+    )
+    trainer = SimulatedTrainer(random_checkpoint(other, 3))
+    synchronizer = make_synchronizer(trainer, fleet)
+    with synchronizer, pytest.raises(GeometryMismatchError, match="missing model.layers.2"):
+        synchronizer.init_communicator()
+    assert fleet.call("weight_version") == [0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_every_trainer_rank_joins_and_only_rank_0_sends(fleet: Any) -> None:
+    """Two trainer ranks in this process (rank 1 receives and discards) and the Ray engines."""
+    fleet.reset(seed=600)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4), lr=1e-2)
+    idle = SimulatedTrainer(random_checkpoint(CONFIG, 5))  # rank 1 never sends its weights
+    trainers = [
+        LocalParticipant(TrainerEndpoint(t), f"trainer {r}") for r, t in enumerate((trainer, idle))
+    ]
+
+    def shards() -> dict[int, list[ActorParticipant]]:
+        return {
+            index: [ActorParticipant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
+            for index, hs in fleet.collective_shards().items()
+        }
+
+    synchronizer = CollectiveWeightSynchronizer(
+        trainers, shards, LocalCluster(2).get_master_address_and_port, refit_timeout_s=30
+    )
+    with synchronizer:
+        result = synchronizer.sync_weights()
+        membership = synchronizer.membership
+        assert membership is not None and (membership.trainers, membership.world_size) == (2, 4)
+        assert result.ok and len(result.workers) == 2
+        assert digests_match(fleet, trainer) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_trainer_ranks_as_ray_actors_through_the_factory(fleet: Any) -> None:
+    import ray
+
+    from ray_actors import ACTOR_OPTIONS, RemoteTrainerWorker
+
+    fleet.reset(seed=700)
+    actors: list[Any] = [
+        RemoteTrainerWorker.options(**ACTOR_OPTIONS).remote(CONFIG, 6) for _ in range(2)
+    ]
+
+    class RayPolicy:
+        def collective_trainers(self) -> list[Any]:
+            return actors
+
+    try:
+        with make_synchronizer(RayPolicy(), fleet) as synchronizer:
+            ray.get(actors[0].step.remote(), timeout=120)
+            assert synchronizer.sync_weights().ok
+            expected = ray.get(actors[0].engine_digests.remote(), timeout=60)
+            assert fleet.call("state_digests") == [expected, expected]
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)

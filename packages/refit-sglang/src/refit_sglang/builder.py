@@ -1,0 +1,92 @@
+"""Entry-point builders of the SGLang rows (``refit.backends``)."""
+
+from __future__ import annotations
+
+import socket
+
+from refit_core import SynchronizerRequest
+from refit_core.protocols import ClusterLike, PolicyLike
+from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, LocalParticipant
+from refit_sglang.client import clients_for
+from refit_sglang.colocated import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    ColocatedOptions,
+    ColocatedSGLangSynchronizer,
+    require_bounded,
+)
+from refit_sglang.participants import EngineSettings, sglang_shards
+from refit_sglang.trainer import SGLangPeerTrainer
+
+__all__ = ["build_colocated_synchronizer", "build_disaggregated_synchronizer"]
+
+_CONTROL_TIMEOUT_S = 60.0
+
+
+def _policy(request: SynchronizerRequest) -> PolicyLike:
+    if not isinstance(request.policy, PolicyLike):
+        raise ValueError("policy must provide weight_source()")
+    return request.policy
+
+
+def build_colocated_synchronizer(request: SynchronizerRequest) -> ColocatedSGLangSynchronizer:
+    """The factory's builder for (sglang, colocated, ray_ipc).
+
+    ``generation`` is an SGLang server URL, an ``sglang.Engine``-like object, an
+    ``SGLangClient`` or a sequence of these; ``policy`` a ``PolicyLike`` in this process.
+
+    Raises:
+        ValueError: a wrong policy or generation, or a deadline with in-process engines.
+    """
+    size = request.refit_buffer_size_bytes
+    options = ColocatedOptions() if size is None else ColocatedOptions(bucket_size_bytes=size)
+    return ColocatedSGLangSynchronizer(
+        _policy(request),
+        clients_for(request.generation),
+        refit_timeout_s=request.refit_timeout_s,
+        options=options,
+    )
+
+
+def build_disaggregated_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
+    """The factory's builder for (sglang, non-colocated, collective).
+
+    Trainer rank 0 (``policy``, in this process) hosts each weight-update group; the engines
+    join through ``init_weights_update_group``. ``train_cluster`` gives each group's
+    rendezvous; without one the group meets on 127.0.0.1 (engines on this host only).
+    ``refit_timeout_s`` bounds every trainer-side call; refit cannot abort the group inside an
+    SGLang process, so a refit past its deadline names the engines that may be wedged.
+
+    Raises:
+        ValueError: a wrong policy or generation, or a deadline with in-process engines.
+    """
+    policy = _policy(request)
+    clients = clients_for(request.generation)
+    deadline_s = request.refit_timeout_s
+    settings = EngineSettings(
+        request.refit_buffer_size_bytes or DEFAULT_BUCKET_SIZE_BYTES,
+        "abort",
+        _CONTROL_TIMEOUT_S if deadline_s is None else max(_CONTROL_TIMEOUT_S, 2 * deadline_s),
+    )
+    if deadline_s is not None:
+        require_bounded(clients)
+    cluster = request.train_cluster
+    rendezvous = (
+        cluster.get_master_address_and_port if isinstance(cluster, ClusterLike) else _loopback
+    )
+    shards = sglang_shards(clients, settings)
+    return CollectiveWeightSynchronizer(
+        [LocalParticipant(SGLangPeerTrainer(policy), "trainer 0")],
+        lambda: shards,
+        rendezvous,
+        refit_timeout_s=deadline_s,
+        options=CollectiveOptions(
+            control_timeout_s=settings.control_timeout_s, group_name="refit-sglang"
+        ),
+    )
+
+
+def _loopback() -> tuple[str, int]:
+    """127.0.0.1 and a port free now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return "127.0.0.1", int(probe.getsockname()[1])

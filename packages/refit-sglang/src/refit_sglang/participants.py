@@ -1,0 +1,190 @@
+"""SGLang engines as the engine side of refit-nccl's :class:`CollectiveWeightSynchronizer`.
+
+Each tensor-parallel rank of each engine is one participant, so the synchronizer plans ranks
+as usual. One SGLang call drives all of an engine's ranks (SGLang joins rank ``rank_offset +
+tp_rank`` itself), so local rank 0 makes the calls, each on a thread of its own, and the other
+ranks answer at once. A refit on rank 0 is: pause generation, one
+``update_weights_from_distributed`` per bucket (received while the trainer broadcasts it),
+flush the cache, and continue generation in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
+from refit_nccl import JoinRequest, Participant, TransferStats
+from refit_sglang.client import SGLangClient
+from refit_sglang.futures import done, failed, in_thread, then
+from refit_sglang.lifecycle import PauseMode, flush_caches, paused
+from refit_sglang.plan import DistributedPlan, StateItems, sglang_geometry
+
+__all__ = ["EngineSettings", "SGLangRankParticipant", "sglang_shards"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How every engine of a disaggregated refit is driven.
+
+    Attributes:
+        bucket_size_bytes: most bytes named by one ``update_weights_from_distributed`` call.
+        pause_mode: how generation pauses around a refit.
+        control_timeout_s: bound of every SGLang call; it must outlast the refit deadline so
+            an engine stuck in the collective is reported as wedged, not as failed.
+    """
+
+    bucket_size_bytes: int
+    pause_mode: PauseMode
+    control_timeout_s: float
+
+
+class SGLangRankParticipant(Participant):
+    """Tensor-parallel rank ``local_rank`` of the SGLang engine behind ``client``."""
+
+    def __init__(self, client: SGLangClient, local_rank: int, settings: EngineSettings) -> None:
+        super().__init__(client.label if local_rank == 0 else f"{client.label}/rank{local_rank}")
+        self._client = client
+        self._local_rank = local_rank
+        self._settings = settings
+        self._geometry = sglang_geometry(settings.bucket_size_bytes)
+        self._plan: DistributedPlan | None = None
+        self._group_name: str | None = None
+        self._in_flight: Future[Any] | None = None
+        self._leaving: Future[None] | None = None
+
+    @property
+    def key(self) -> Hashable:
+        """The engine's client and the rank within it."""
+        return (id(self._client), self._local_rank)
+
+    def close(self) -> None:
+        """Nothing to release: the client belongs to the synchronizer's builder."""
+
+    def call(self, method: str, *args: Any) -> Future[Any]:
+        """Start ``method(*args)``; never blocks."""
+        handlers: dict[str, Callable[..., Future[Any]]] = {
+            "refit_geometry": lambda: done(self._geometry),
+            "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
+            "refit_join": self._join,
+            "refit_transfer": self._transfer,
+            "refit_commit": done,
+            "refit_abort": self._abort,
+        }
+        handler = handlers.get(method)
+        if handler is None:
+            return failed(NotImplementedError(f"an SGLang engine has no {method}"))
+        try:
+            return handler(*args)
+        except Exception as exc:
+            return failed(exc)
+
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> DistributedPlan:
+        if geometry != self._geometry:
+            raise GeometryMismatchError(
+                f"{self.label}: receives with {self._geometry}, the plan uses {geometry}"
+            )
+        return DistributedPlan.build(state, geometry)
+
+    def _join(self, request: JoinRequest) -> Future[str]:
+        plan = self._plan = self._plan_for(request.state, request.geometry)
+        if self._local_rank != 0:
+            return done(plan.digest)
+        group = request.group
+        self._group_name = group.name
+        body = {
+            "master_address": group.host,
+            "master_port": group.port,
+            "rank_offset": group.rank,
+            "world_size": group.world_size,
+            "group_name": group.name,
+            "backend": group.backend,
+        }
+        self._in_flight = in_thread(self._enter, body)
+        return then(self._in_flight, lambda _: plan.digest)
+
+    def _enter(self, body: dict[str, object]) -> None:
+        """Join a new group once the destroy of the previous one has answered (or failed)."""
+        leaving = self._leaving
+        if leaving is not None:
+            try:
+                leaving.result(timeout=self._settings.control_timeout_s)
+            except Exception as exc:
+                logger.warning("%s: destroying the previous group failed: %s", self.label, exc)
+        self._sglang("init_weights_update_group", body)
+
+    def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
+        plan, name = self._plan, self._group_name
+        if plan is None:
+            raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
+        started = time.monotonic()
+
+        def stats(_: object = None) -> TransferStats:
+            elapsed = time.monotonic() - started
+            return TransferStats(
+                len(plan.buckets), plan.dense_bytes, plan.dense_bytes, 0.0, 0.0, elapsed, elapsed
+            )
+
+        if self._local_rank != 0 or name is None:
+            return done(stats())
+        self._in_flight = in_thread(self._refit, plan, name, version)
+        return then(self._in_flight, stats)
+
+    def _refit(self, plan: DistributedPlan, group_name: str, version: int) -> None:
+        """Pause, receive every bucket, flush, and continue generation whatever happens."""
+        never = Deadline.never()
+        settings = self._settings
+        with paused([self._client], settings.pause_mode, never, settings.control_timeout_s):
+            for index, bucket in enumerate(plan.buckets):
+                body: dict[str, object] = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [s.dtype for _, s in bucket],
+                    "shapes": [list(s.shape) for _, s in bucket],
+                    "group_name": group_name,
+                    "flush_cache": False,
+                }
+                if index == len(plan.buckets) - 1:
+                    body["weight_version"] = str(version)
+                self._sglang("update_weights_from_distributed", body)
+            flush_caches([self._client], never, settings.control_timeout_s)
+
+    def _sglang(self, route: str, body: dict[str, object]) -> None:
+        self._client.call(route, body, self._settings.control_timeout_s)
+
+    def _abort(self, cause: str, *_: object) -> Future[None]:
+        """Destroy the engine's group when it is idle; an engine inside the collective cannot
+        be aborted by refit and is reported as possibly wedged."""
+        name = self._group_name
+        if self._local_rank != 0 or name is None:
+            return done(None)
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            logger.warning(
+                "%s: still inside the weight-update group and refit cannot abort the group "
+                "inside an SGLang process (%s); the engine may stay wedged until it is "
+                "restarted",
+                self.label,
+                cause,
+            )
+            return done(None)
+        self._group_name = None
+        self._leaving = in_thread(
+            self._sglang, "destroy_weights_update_group", {"group_name": name}
+        )
+        return done(None)
+
+
+def sglang_shards(
+    clients: Sequence[SGLangClient], settings: EngineSettings
+) -> dict[int, list[Participant]]:
+    """Shard index -> one participant per tensor-parallel rank of each engine."""
+    return {
+        index: [SGLangRankParticipant(client, rank, settings) for rank in range(client.tp_size)]
+        for index, client in enumerate(clients)
+    }

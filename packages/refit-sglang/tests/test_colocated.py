@@ -1,0 +1,156 @@
+"""The colocated row against stand-in SGLang engines, over HTTP and in process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
+from refit_lab.conformance import RefitDeployment, SynchronizerConformance, check_bitwise_delivery
+from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
+from refit_lab.trainer import SimulatedTrainer
+from refit_sglang import ColocatedOptions, ColocatedSGLangSynchronizer, EngineClient, HttpClient
+from sglang_standin import StandInDeployment, StandInEngine, StandInSGLang, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = ReferenceModelConfig()
+KiB = 1024
+
+
+def _deploy(
+    *,
+    tp_sizes: Sequence[int] = (1, 2),
+    http: bool = True,
+    config: ReferenceModelConfig = MODEL,
+    bucket_size_bytes: int = 64 * KiB,
+    refit_timeout_s: float | None = None,
+) -> StandInDeployment:
+    trainer = SimulatedTrainer(random_checkpoint(config, 1), engine_dtype=config.dtype, lr=1e-2)
+    engines = [StandInSGLang(config, seed=2 + i, tp_size=tp) for i, tp in enumerate(tp_sizes)]
+    stack = contextlib.ExitStack()
+    clients = [
+        HttpClient(stack.enter_context(serve(e)), control_timeout_s=10.0)
+        if http
+        else EngineClient(StandInEngine(e), f"engine {i}")
+        for i, e in enumerate(engines)
+    ]
+    synchronizer = ColocatedSGLangSynchronizer(
+        trainer,
+        clients,
+        refit_timeout_s=refit_timeout_s,
+        options=ColocatedOptions(bucket_size_bytes=bucket_size_bytes),
+    )
+    return StandInDeployment(trainer, synchronizer, config, engines, stack)
+
+
+class TestColocatedHttp(SynchronizerConformance):
+    """Two HTTP engines (1 and 2 ranks), bf16."""
+
+    def create_deployment(self) -> RefitDeployment:
+        return _deploy()
+
+
+class TestColocatedInProcess(SynchronizerConformance):
+    """Two in-process Engine-like objects (1 and 2 ranks), fp32."""
+
+    def create_deployment(self) -> RefitDeployment:
+        return _deploy(http=False, config=ReferenceModelConfig(dtype="float32"))
+
+
+@pytest.fixture
+def deployment() -> Iterator[StandInDeployment]:
+    created = _deploy()
+    try:
+        yield created
+    finally:
+        created.close()
+
+
+def _shared_files() -> set[Path]:
+    return set(Path("/dev/shm").glob("refit-sglang-*"))
+
+
+def test_lifecycle_around_every_refit(deployment: StandInDeployment) -> None:
+    deployment.synchronizer.sync_weights()
+    for engine in deployment.engines:
+        routes = [route for route, _ in engine.calls]
+        assert routes[0] == "pause_generation" and routes[-2:] == [
+            "flush_cache",
+            "continue_generation",
+        ]
+        updates = [body for route, body in engine.calls if route == "update_weights_from_tensor"]
+        assert len(updates) > 1, "the small bucket size should split the state"
+        assert all(b["load_format"] == "flattened_bucket" for b in updates)
+        assert [b.get("weight_version") for b in updates] == [None] * (len(updates) - 1) + ["1"]
+        assert engine.weight_version == "1" and not engine.paused
+
+
+def test_bucket_memory_released(deployment: StandInDeployment) -> None:
+    before = _shared_files()
+    deployment.trainer.step()
+    result = deployment.synchronizer.sync_weights()
+    buffers = deployment.synchronizer.buffers  # type: ignore[attr-defined]
+    assert buffers.live_bytes == 0
+    assert 0 < buffers.peak_bytes <= 64 * KiB < result.dense_bytes
+    assert _shared_files() <= before
+
+
+def test_generation_continues_after_failed_refit(deployment: StandInDeployment) -> None:
+    def refuse(weights: object) -> set[str]:
+        raise RuntimeError("out of memory")
+
+    deployment.engines[1].ranks[0].load_weights = refuse  # type: ignore[method-assign]
+    with pytest.raises(WorkerError, match="update_weights_from_tensor"):
+        deployment.synchronizer.sync_weights()
+    assert not any(engine.paused for engine in deployment.engines)
+    assert deployment.synchronizer.buffers.live_bytes == 0  # type: ignore[attr-defined]
+
+
+def test_deadline_names_the_wedged_engine() -> None:
+    created = _deploy(refit_timeout_s=1.0)
+    try:
+        frozen = created.engines[1]
+        frozen.hang_on, frozen.hang_s = "update_weights_from_tensor", 3.0
+        with pytest.raises(RefitTimeoutError) as caught:
+            created.synchronizer.sync_weights()
+        synchronizer = created.synchronizer
+        assert isinstance(synchronizer, ColocatedSGLangSynchronizer)
+        assert caught.value.wedged_workers == (synchronizer.clients[1].label,)
+        survivor = created.engines[0]
+        assert not survivor.paused and survivor.calls[-1][0] == "continue_generation"
+    finally:
+        created.close()
+
+
+def test_deadline_refused_for_in_process_engines() -> None:
+    with pytest.raises(ValueError, match="cannot be enforced"):
+        _deploy(http=False, refit_timeout_s=5.0)
+
+
+def test_in_place_pause_refused() -> None:
+    with pytest.raises(ValueError, match="in_place"):
+        ColocatedOptions(pause_mode="in_place")  # type: ignore[arg-type]
+
+
+def test_factory_row() -> None:
+    config = MODEL
+    trainer = SimulatedTrainer(random_checkpoint(config, 1), engine_dtype=config.dtype)
+    engines = [StandInSGLang(config, seed=5, tp_size=tp) for tp in (1, 2)]
+    with serve(engines[0]) as url:
+        synchronizer = create_weight_synchronizer(
+            trainer,
+            [url, StandInEngine(engines[1])],
+            "sglang",
+            colocated=True,
+            refit_buffer_size_gb=1 / 4096,
+        )
+        deployment = StandInDeployment(trainer, synchronizer, config, engines)
+        try:
+            assert isinstance(synchronizer, ColocatedSGLangSynchronizer)
+            check_bitwise_delivery(deployment)
+        finally:
+            deployment.close()

@@ -1,0 +1,110 @@
+"""The non-colocated row: stand-in SGLang servers join the trainer's gloo group."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from refit_core import RefitError, WeightSynchronizer, create_weight_synchronizer
+from refit_lab.conformance import RefitDeployment, SynchronizerConformance, check_bitwise_delivery
+from refit_lab.faults import ProcessGang
+from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
+from refit_lab.trainer import SimulatedTrainer
+from refit_nccl import CollectiveWeightSynchronizer
+from sglang_standin import StandInDeployment, StandInSGLang, serve, serve_in_process
+
+pytestmark = pytest.mark.timeout(90)
+
+MODEL = ReferenceModelConfig(vocab_size=8192)
+"""Embedding and head of 1 MiB each, so a 1 MiB bucket size makes several calls per refit."""
+BUCKET_GB = 1 / 1024
+
+
+def _synchronizer(
+    trainer: SimulatedTrainer, urls: Sequence[str], refit_timeout_s: float | None = 30.0
+) -> WeightSynchronizer:
+    return create_weight_synchronizer(
+        trainer,
+        list(urls),
+        "sglang",
+        colocated=False,
+        refit_buffer_size_gb=BUCKET_GB,
+        refit_timeout_s=refit_timeout_s,
+    )
+
+
+def _deploy(tp_sizes: Sequence[int] = (1, 2)) -> StandInDeployment:
+    trainer = SimulatedTrainer(random_checkpoint(MODEL, 1), engine_dtype=MODEL.dtype, lr=1e-2)
+    engines = [StandInSGLang(MODEL, seed=2 + i, tp_size=tp) for i, tp in enumerate(tp_sizes)]
+    stack = contextlib.ExitStack()
+    urls = [stack.enter_context(serve(e)) for e in engines]
+    return StandInDeployment(trainer, _synchronizer(trainer, urls), MODEL, engines, stack)
+
+
+class TestDisaggregated(SynchronizerConformance):
+    """Two HTTP engines (1 and 2 ranks) in one group of 4 ranks."""
+
+    def create_deployment(self) -> RefitDeployment:
+        return _deploy()
+
+
+def test_calls_and_group_lifecycle() -> None:
+    deployment = _deploy()
+    try:
+        assert isinstance(deployment.synchronizer, CollectiveWeightSynchronizer)
+        deployment.synchronizer.sync_weights()
+        for engine in deployment.engines:
+            routes = [route for route, _ in engine.calls]
+            assert routes[0] == "init_weights_update_group"
+            init = engine.calls[0][1]
+            assert init["world_size"] == 4 and init["backend"] == "gloo"
+            assert routes[1] == "pause_generation" and routes[-2:] == [
+                "flush_cache",
+                "continue_generation",
+            ]
+            updates = [b for r, b in engine.calls if r == "update_weights_from_distributed"]
+            assert len(updates) > 1
+            assert updates[-1]["weight_version"] == "1"
+        assert [c[1]["rank_offset"] for e in deployment.engines for c in e.calls[:1]] == [1, 2]
+        deployment.synchronizer.shutdown()
+        for engine in deployment.engines:
+            deadline = time.monotonic() + 10
+            while engine.groups and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.calls[-1][0] == "destroy_weights_update_group" and not engine.groups
+    finally:
+        deployment.close()
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_refit() -> None:
+    """An engine SIGKILLs itself on its first update call: the refit fails by the deadline
+    naming it, the survivor continues generation, and a rebuild over the survivor refits."""
+    trainer = SimulatedTrainer(random_checkpoint(MODEL, 1), engine_dtype=MODEL.dtype, lr=1e-2)
+    survivor = StandInSGLang(MODEL, seed=2, collective_timeout_s=8.0)
+    with ProcessGang() as gang, serve(survivor) as url:
+        gang.spawn(serve_in_process, MODEL, 3, 1, "update_weights_from_distributed", gang.results)
+        (doomed,) = gang.collect(1, timeout_s=60)
+        synchronizer = _synchronizer(trainer, [url, doomed], refit_timeout_s=4.0)
+        try:
+            trainer.step()
+            started = time.monotonic()
+            with pytest.raises(RefitError, match=doomed) as caught:
+                synchronizer.sync_weights()
+            assert time.monotonic() - started < 4.0 + 8.0
+            assert "refit to version 1" in str(caught.value)
+            assert synchronizer.is_stale()
+            deadline = time.monotonic() + 15
+            while survivor.paused and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not survivor.paused, "generation did not continue on the survivor"
+            routes = [route for route, _ in survivor.calls]
+            assert routes.index("continue_generation") > routes.index("pause_generation")
+            synchronizer.reconcile_communicator([1])
+            deployment = StandInDeployment(trainer, synchronizer, MODEL, [survivor])
+            check_bitwise_delivery(deployment)
+        finally:
+            synchronizer.shutdown()

@@ -1,0 +1,50 @@
+"""The transactional ZeroMQ relay tree for sparse refits (wire protocol: PROTOCOL.md).
+
+Producers stream delta payloads with :func:`stream_sparse_delta_payloads_via_zmq` (over a
+:class:`ZmqSparseRefitClient`) into relays (:class:`ZmqSparseRefitServer`) that apply them to
+a local receiver (:class:`TensorReceiver`) and forward them down a k-ary tree; a
+:class:`RelayCoordinator` ends each transfer in commit or abort on every relay.
+"""
+
+from refit_zmq.relay.checksums import payload_checksum
+from refit_zmq.relay.client import ZmqSparseRefitClient
+from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
+from refit_zmq.relay.curve import CurveConfig
+from refit_zmq.relay.errors import (
+    NackCode,
+    StaleTransferError,
+    TransferConflictError,
+    TreeMismatchError,
+)
+from refit_zmq.relay.frames import PROTOCOL
+from refit_zmq.relay.receiver import Receiver, TensorReceiver
+from refit_zmq.relay.server import ZmqSparseRefitServer
+from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
+from refit_zmq.relay.transfer import ProducerShard, TransferOptions, TransferResult, run_transfer
+from refit_zmq.relay.tree import RelayTree
+from refit_zmq.relay.tuning import RelayTuning
+
+__all__ = [
+    "PROTOCOL",
+    "CurveConfig",
+    "NackCode",
+    "ProducerShard",
+    "Receiver",
+    "RelayCoordinator",
+    "RelayTree",
+    "RelayTuning",
+    "StaleTransferError",
+    "TensorReceiver",
+    "TransferConflictError",
+    "TransferOptions",
+    "TransferOutcome",
+    "TransferResult",
+    "TreeMismatchError",
+    "ZmqSparseRefitClient",
+    "ZmqSparseRefitServer",
+    "deliver_payloads",
+    "new_transfer_id",
+    "payload_checksum",
+    "run_transfer",
+    "stream_sparse_delta_payloads_via_zmq",
+]

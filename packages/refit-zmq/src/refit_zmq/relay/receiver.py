@@ -1,0 +1,225 @@
+"""What a relay applies payloads to: apply, then commit or roll back one transfer at a time.
+
+:class:`TensorReceiver` applies delta payloads in place to a receiver's tensors with the
+codec's undo log kept per transfer, so a transfer that fails anywhere in the tree is rolled
+back bit for bit, and only a committed transfer moves the receiver's version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from refit_core.errors import ChecksumMismatchError, ProtocolError
+from refit_core.types import WeightVersion
+from refit_zmq.codec import UndoLog, apply_payload, decode_payload, tensor_digest
+from refit_zmq.relay.checksums import embedded_checksum
+from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
+from refit_zmq.relay.verify import verify_sample
+
+__all__ = ["Receiver", "TensorReceiver", "as_receiver"]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Receiver(Protocol):
+    """The local side of a relay. Calls come from one thread, one at a time.
+
+    ``apply`` raises a refit error to refuse a payload (nothing of it may stay applied);
+    ``commit`` and ``rollback`` end the open transfer and are idempotent per transfer id.
+    """
+
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply one payload of ``metadata["transfer_id"]``, keeping what undoes it."""
+        ...
+
+    def commit(self, transfer_id: str) -> dict[str, Any]:
+        """Make the transfer's target the current version and forget its undo data."""
+        ...
+
+    def rollback(self, transfer_id: str) -> dict[str, Any]:
+        """Restore the bits from before the transfer's first payload."""
+        ...
+
+    def status(self, *, digests: bool = False) -> dict[str, Any]:
+        """``{"version", "open", ["digests"]}``: the version held and any open transfer."""
+        ...
+
+
+def as_receiver(apply_payload: Receiver | Callable[..., Any]) -> Receiver:
+    """A receiver object, or the receiver whose bound ``apply`` was given.
+
+    Raises:
+        TypeError: a bare callable, which cannot commit or roll back a transfer.
+    """
+    if isinstance(apply_payload, Receiver):
+        return apply_payload
+    owner = getattr(apply_payload, "__self__", None)
+    if isinstance(owner, Receiver):
+        return owner
+    raise TypeError(
+        "the relay needs a receiver with apply, commit, rollback and status (or its bound "
+        "apply); a bare apply function cannot roll a failed transfer back"
+    )
+
+
+@dataclass
+class _Open:
+    transfer_id: str
+    target: WeightVersion
+    undo: UndoLog = field(default_factory=UndoLog)
+    payloads: int = 0
+
+
+class TensorReceiver:
+    """Applies delta payloads to named tensors in place, transactionally.
+
+    Args:
+        tensors: name -> tensor the payloads write (views into an engine's parameters work).
+        version: the version the tensors hold (None: unknown, so only a resync applies).
+        on_commit: called with the new version after a commit (set the engine's version,
+            reset its prefix cache).
+        on_rollback: called after a rollback restored the old bits.
+        max_undo_bytes: refuse a payload whose undo data would pass this (default: four
+            times the tensors' bytes, enough for any legitimate transfer).
+        seed: seed of the sampled read-back.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int | None,
+        on_commit: Callable[[int], None] | None = None,
+        on_rollback: Callable[[], None] | None = None,
+        max_undo_bytes: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self._tensors = dict(tensors)
+        self._version = None if version is None else WeightVersion(version)
+        self._on_commit = on_commit
+        self._on_rollback = on_rollback
+        state_bytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
+        self._max_undo_bytes = 4 * state_bytes if max_undo_bytes is None else max_undo_bytes
+        self._rng = np.random.default_rng(seed)
+        self._open: _Open | None = None
+        self._committed: str | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The committed version."""
+        return None if self._version is None else self._version.value
+
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """Verify and apply one payload (see :class:`Receiver`).
+
+        Raises:
+            ChecksumMismatchError: the body is not what ``metadata["checksum"]`` names.
+            StaleBaseError: the payload is a delta against another version.
+            StaleTransferError: its target does not follow the committed version.
+            TransferConflictError: another transfer is open, or another target.
+            VerificationError: the read-back found other bits than the payload carries.
+            ProtocolError, GeometryMismatchError: malformed or not for these tensors.
+        """
+        transfer_id = str(metadata["transfer_id"])
+        if self._open is not None and self._open.transfer_id != transfer_id:
+            raise TransferConflictError(
+                f"transfer {self._open.transfer_id} is open; {transfer_id} must wait"
+            )
+        if embedded_checksum(body) != metadata["checksum"]:
+            raise ChecksumMismatchError("payload checksum differs from the declared one")
+        undo = UndoLog()
+        applied = apply_payload(body, self._tensors, self._version, undo=undo)
+        try:
+            target = self._target(applied.targets, transfer_id)
+            candidates = int(metadata.get("verification_candidates", 0))
+            verified = (
+                verify_sample(decode_payload(body), self._tensors, candidates, self._rng)
+                if candidates > 0
+                else 0
+            )
+            held = undo.nbytes + (0 if self._open is None else self._open.undo.nbytes)
+            if held > self._max_undo_bytes:
+                raise ProtocolError(
+                    f"undo data would reach {held} bytes (limit {self._max_undo_bytes})"
+                )
+        except BaseException:
+            undo.restore()
+            raise
+        if self._open is None:
+            self._open = _Open(transfer_id, target)
+        self._open.undo.extend(undo.entries)
+        self._open.payloads += 1
+        return {"items": len(applied.items), "nbytes": applied.nbytes, "verified": verified}
+
+    def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
+        if len(targets) != 1:
+            raise ProtocolError(f"payload names {len(targets)} target versions")
+        (target,) = targets
+        if self._version is not None and target <= self._version:
+            raise StaleTransferError(
+                f"transfer {transfer_id} targets version {target.value}, "
+                f"receiver holds {self._version.value}"
+            )
+        if self._open is not None and self._open.target != target:
+            raise TransferConflictError(
+                f"transfer {transfer_id} targets {target.value} and {self._open.target.value}"
+            )
+        return target
+
+    def commit(self, transfer_id: str) -> dict[str, Any]:
+        """Commit the open transfer (again: a no-op answer)."""
+        if self._open is None or self._open.transfer_id != transfer_id:
+            if transfer_id == self._committed:
+                return {"version": self.version, "committed": False}
+            raise StaleTransferError(f"transfer {transfer_id} is not open here; cannot commit")
+        opened, self._open = self._open, None
+        opened.undo.discard()
+        self._version = opened.target
+        self._committed = transfer_id
+        logger.info("transfer %s committed: version %d", transfer_id, opened.target.value)
+        if self._on_commit is not None:
+            self._on_commit(opened.target.value)
+        return {"version": self.version, "committed": True}
+
+    def rollback(self, transfer_id: str) -> dict[str, Any]:
+        """Roll the open transfer back (nothing held: a no-op answer)."""
+        if transfer_id == self._committed:
+            raise StaleTransferError(f"transfer {transfer_id} is committed; it cannot roll back")
+        if self._open is None or self._open.transfer_id != transfer_id:
+            return {"version": self.version, "restored": False}
+        opened, self._open = self._open, None
+        opened.undo.restore()
+        logger.info(
+            "transfer %s rolled back (%d payloads); version stays %s",
+            transfer_id,
+            opened.payloads,
+            self.version,
+        )
+        if self._on_rollback is not None:
+            self._on_rollback()
+        return {"version": self.version, "restored": True}
+
+    def status(self, *, digests: bool = False) -> dict[str, Any]:
+        """The version, the open transfer, and optionally every tensor's digest."""
+        opened = self._open
+        report: dict[str, Any] = {
+            "version": self.version,
+            "open": None
+            if opened is None
+            else {
+                "transfer_id": opened.transfer_id,
+                "target": opened.target.value,
+                "payloads": opened.payloads,
+                "undo_bytes": opened.undo.nbytes,
+            },
+        }
+        if digests:
+            report["digests"] = {name: tensor_digest(t) for name, t in self._tensors.items()}
+        return report

@@ -1,0 +1,109 @@
+"""Cut-through forwarding to a child (a bare ROUTER here): chunks go on before the payload is whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from refit_zmq.relay.auth import Signer
+from refit_zmq.relay.forwarder import ChildLink, Forward
+from refit_zmq.relay.frames import Kind, Message, encode, parse
+from refit_zmq.relay.link import Link
+from refit_zmq.relay.staging import StagedPayload
+from refit_zmq.relay.tuning import RelayTuning
+
+pytestmark = pytest.mark.timeout(30)
+
+NO_KEY = Signer(None)
+KEY = ("t1", "p", "0")
+
+
+class Events:
+    """Records what the child link reports."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+
+    def forwarded(self, child: str, forward: Forward, nbytes: int) -> None:
+        self.log.append(("forwarded", nbytes))
+
+    def released(self, forward: Forward) -> None:
+        self.log.append(("released", forward.key))
+
+    def acked(self, child: str, forward: Forward, result: dict[str, Any]) -> None:
+        self.log.append(("acked", result))
+
+    def failed(self, child: str, forward: Forward, code: str, message: str) -> None:
+        self.log.append(("failed", code))
+
+
+@pytest.fixture
+def child() -> Iterator[tuple[zmq.Socket[bytes], str, zmq.Context[zmq.Socket[bytes]]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    try:
+        yield router, router.getsockopt_string(zmq.LAST_ENDPOINT), context
+    finally:
+        router.close()
+        context.term()
+
+
+def _next(router: zmq.Socket[bytes]) -> tuple[bytes, Message]:
+    assert router.poll(2000), "nothing forwarded"
+    identity, *frames = router.recv_multipart()
+    return identity, parse(frames, NO_KEY)
+
+
+def _reply(router: zmq.Socket[bytes], identity: bytes, kind: Kind, **fields: Any) -> None:
+    ids = dict(zip(("transfer_id", "producer_id", "payload_id"), KEY, strict=True))
+    router.send_multipart([identity, *encode(kind, {**ids, **fields}, NO_KEY)])
+
+
+def _until(link: ChildLink, events: Events, entry: str) -> None:
+    for _ in range(200):
+        if any(kind == entry for kind, _ in events.log):
+            return
+        link.socket.poll(10)
+        link.receive()
+    raise AssertionError(f"no {entry} in {events.log}")
+
+
+def test_chunks_are_forwarded_as_they_arrive(
+    child: tuple[zmq.Socket[bytes], str, zmq.Context[zmq.Socket[bytes]]],
+) -> None:
+    router, address, context = child
+    events = Events()
+    link = ChildLink(
+        Link(context, address, signer=NO_KEY, curve=None, hwm=16),
+        signer=NO_KEY,
+        events=events,
+        timeout_s=2.0,
+        tuning=RelayTuning(),
+    )
+    begin = {"checksum": "0" * 32, "verification_candidates": 0, "relay_root": address, "hops": 1}
+    staged = StagedPayload(KEY, "0" * 32, 8, address, begin, b"parent")
+    staged.write(0, memoryview(b"abcd"))
+    link.add(staged)
+    identity, offer = _next(router)
+    assert (offer.kind, offer.number("total_bytes"), offer.number("hops")) == (Kind.BEGIN, 8, 1)
+    _reply(router, identity, Kind.READY, relay=address, chunk_bytes=4096)
+    _until(link, events, "forwarded")
+    _, first = _next(router)
+    assert first.kind is Kind.DATA and first.body is not None
+    assert (first.number("offset"), bytes(first.body)) == (0, b"abcd")
+    assert not staged.complete and ("released", KEY) not in events.log, "cut-through"
+
+    staged.write(4, memoryview(b"efgh"))
+    link.pump()
+    _, second = _next(router)
+    assert second.body is not None and (second.number("offset"), bytes(second.body)) == (4, b"efgh")
+    assert ("released", KEY) in events.log and link.busy("t1"), "streamed, awaiting the ACK"
+    _reply(router, identity, Kind.ACK, relay=address, duplicate=False, result={"items": 1})
+    _until(link, events, "acked")
+    assert not link.busy("t1")
+    link.close()

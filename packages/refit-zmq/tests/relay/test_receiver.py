@@ -1,0 +1,152 @@
+"""TensorReceiver: transactional apply, commit and rollback, in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from relay_helpers import Trainer, digests, make_state
+
+from refit_core.errors import (
+    ChecksumMismatchError,
+    ProtocolError,
+    StaleBaseError,
+    VerificationError,
+)
+from refit_core.types import WeightVersion
+from refit_zmq.codec import DeltaPayload, decode_payload
+from refit_zmq.relay import (
+    StaleTransferError,
+    TensorReceiver,
+    TransferConflictError,
+    payload_checksum,
+)
+from refit_zmq.relay.receiver import as_receiver
+from refit_zmq.relay.verify import verify_sample
+
+
+@pytest.fixture
+def trainer() -> Iterator[Trainer]:
+    created = Trainer(make_state(1), version=3)
+    try:
+        yield created
+    finally:
+        created.close()
+
+
+def _payloads(trainer: Trainer, seed: int = 5) -> list[DeltaPayload]:
+    trainer.step(seed, density=0.05)
+    target = WeightVersion(trainer.version + 1)
+    return list(trainer.shards[0].tracker.encode(trainer.state, target))
+
+
+def _meta(payload: DeltaPayload, transfer: str = "t1", candidates: int = 64) -> dict[str, Any]:
+    return {
+        "transfer_id": transfer,
+        "checksum": payload_checksum(payload),
+        "verification_candidates": candidates,
+    }
+
+
+def _receiver(version: int | None = 3, **kw: Any) -> tuple[TensorReceiver, dict[str, torch.Tensor]]:
+    tensors = make_state(1)
+    return TensorReceiver(tensors, version=version, **kw), tensors
+
+
+def test_commit_adopts_the_new_bits_and_version(trainer: Trainer) -> None:
+    committed: list[int] = []
+    receiver, tensors = _receiver(on_commit=committed.append)
+    for payload in _payloads(trainer):
+        result = receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
+        assert result["verified"] > 0
+    assert receiver.status()["open"]["transfer_id"] == "t1"
+    assert receiver.commit("t1") == {"version": 4, "committed": True}
+    assert digests(tensors) == digests(trainer.state) and committed == [4]
+    assert receiver.commit("t1")["committed"] is False, "a repeated commit is a no-op"
+    with pytest.raises(StaleTransferError, match="committed"):
+        receiver.rollback("t1")
+
+
+def test_rollback_restores_every_bit(trainer: Trainer) -> None:
+    rolled: list[bool] = []
+    receiver, tensors = _receiver(on_rollback=lambda: rolled.append(True))
+    before = digests(tensors)
+    for payload in _payloads(trainer):
+        receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
+    assert receiver.rollback("t1") == {"version": 3, "restored": True}
+    assert digests(tensors) == before and rolled == [True]
+    assert receiver.rollback("t1")["restored"] is False
+    assert receiver.status()["open"] is None
+
+
+@pytest.mark.parametrize(
+    ("version", "metadata", "error"),
+    [
+        (2, {}, StaleBaseError),
+        (3, {"checksum": "f" * 32}, ChecksumMismatchError),
+    ],
+)
+def test_refused_payloads_touch_nothing(
+    trainer: Trainer, version: int, metadata: dict[str, Any], error: type[Exception]
+) -> None:
+    receiver, tensors = _receiver(version)
+    before = digests(tensors)
+    payload = _payloads(trainer)[0]
+    with pytest.raises(error):
+        receiver.apply(memoryview(payload.to_bytes()), {**_meta(payload), **metadata})
+    assert digests(tensors) == before and receiver.status()["open"] is None
+
+
+def test_one_transfer_at_a_time_and_versions_only_advance(trainer: Trainer) -> None:
+    receiver, _ = _receiver()
+    first, second = _payloads(trainer)[:2]
+    receiver.apply(memoryview(first.to_bytes()), _meta(first))
+    with pytest.raises(TransferConflictError, match="open"):
+        receiver.apply(memoryview(second.to_bytes()), _meta(second, transfer="t2"))
+    receiver.rollback("t1")
+    ahead, _ = _receiver(version=None)
+    dense = Trainer(make_state(1), version=0)
+    try:
+        resync = next(
+            iter(dense.shards[0].tracker.encode(dense.state, WeightVersion(4), resync=True))
+        )
+    finally:
+        dense.close()
+    stale, stale_tensors = _receiver(version=4)
+    before = digests(stale_tensors)
+    with pytest.raises(StaleTransferError, match="holds 4"):
+        stale.apply(memoryview(resync.to_bytes()), _meta(resync))
+    assert digests(stale_tensors) == before
+    assert ahead.apply(memoryview(resync.to_bytes()), _meta(resync))["items"] >= 1
+
+
+def test_undo_budget_refuses_a_payload_whole(trainer: Trainer) -> None:
+    receiver, tensors = _receiver(max_undo_bytes=16)
+    before = digests(tensors)
+    payload = _payloads(trainer)[0]
+    with pytest.raises(ProtocolError, match="undo"):
+        receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
+    assert digests(tensors) == before
+
+
+def test_read_back_catches_a_write_that_did_not_land(trainer: Trainer) -> None:
+    payload = _payloads(trainer)[0]
+    decoded = decode_payload(payload)
+    tensors = {name: t.clone() for name, t in trainer.state.items()}
+    rng = np.random.default_rng(0)
+    carried = sum(item.header.count for item in decoded.items if item.values is not None)
+    assert verify_sample(decoded, tensors, carried, rng) == carried
+    item = next(i for i in decoded.items if i.values is not None and i.header.count)
+    tensors[item.header.name].view(-1)[:] = 0
+    with pytest.raises(VerificationError, match=item.header.name):
+        verify_sample(decoded, tensors, carried, rng)
+
+
+def test_a_bare_apply_function_is_refused() -> None:
+    receiver, _ = _receiver()
+    assert as_receiver(receiver.apply) is receiver
+    with pytest.raises(TypeError, match="roll"):
+        as_receiver(lambda body, metadata: {})

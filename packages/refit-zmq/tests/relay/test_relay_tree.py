@@ -1,0 +1,182 @@
+"""Seven relays in child processes, one tree: commits are bitwise, failures roll back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from relay_helpers import (
+    TUNING,
+    RelayFleet,
+    RelaySpec,
+    Trainer,
+    digests,
+    fresh_trainer,
+    held_digests,
+    make_state,
+)
+
+from refit_core.errors import RefitError, RefitTimeoutError, StaleBaseError
+from refit_zmq.relay import (
+    RelayCoordinator,
+    RelayTree,
+    new_transfer_id,
+    stream_sparse_delta_payloads_via_zmq,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+RELAYS = 7
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[RelayFleet]:
+    with RelayFleet([RelaySpec()] * RELAYS) as relays:
+        yield relays
+
+
+@pytest.fixture
+def coordinator(fleet: RelayFleet) -> Iterator[RelayCoordinator]:
+    created = RelayCoordinator(api_key=None, timeout_s=4.0, tuning=TUNING)
+    created.configure_tree(fleet.addresses)
+    try:
+        yield created
+    finally:
+        created.close()
+
+
+def test_sparse_commits_from_three_roots_are_bitwise_on_every_relay(
+    fleet: RelayFleet, coordinator: RelayCoordinator
+) -> None:
+    trainer = fresh_trainer(coordinator, seed=11, shard_count=3)
+    try:
+        for step in range(2):
+            trainer.step(seed=100 + step)
+            result = trainer.transfer(coordinator)
+            held = held_digests(coordinator)
+            assert all(d == digests(trainer.state) for d in held.values()), "not bitwise"
+            dense = sum(t.numel() * t.element_size() for t in trainer.state.values())
+            assert result.total("dense_bytes") == dense
+            assert result.total("wire_bytes") < dense / 10, "a 1% step must travel sparse"
+            payloads = result.total("payloads")
+            reports = result.outcome.reports
+            assert {a: r["applied"] for a, r in reports.items()} == dict.fromkeys(
+                fleet.addresses, payloads
+            )
+        tree = RelayTree.of(fleet.addresses, TUNING.fanout)
+        inner = {
+            a for root in fleet.addresses[:3] for a in fleet.addresses if tree.children(root, a)
+        }
+        forwarding = {a for a, r in reports.items() if r["bytes_forwarded"] > 0}
+        assert forwarding == inner, "three roots must use three rotated trees"
+        assert len(inner) == 5
+        statuses = coordinator.status()
+        assert {s["version"] for s in statuses.values() if isinstance(s, dict)} == {trainer.version}
+    finally:
+        trainer.close()
+
+
+def test_stale_relay_is_reported_then_resynced_densely(
+    fleet: RelayFleet, coordinator: RelayCoordinator
+) -> None:
+    trainer = fresh_trainer(coordinator, seed=12)
+    stale = fleet.addresses[2]
+    try:
+        coordinator.configure_tree([a for a in fleet.addresses if a != stale])
+        trainer.step(seed=200)
+        trainer.transfer(coordinator)  # the stale relay misses this version
+        coordinator.configure_tree(fleet.addresses)
+        before = held_digests(coordinator)
+        trainer.step(seed=201)
+        with pytest.raises(StaleBaseError, match=stale) as refused:
+            trainer.transfer(coordinator)
+        assert stale in str(refused.value)
+        assert held_digests(coordinator) == before, "the refused transfer must roll back"
+
+        versions = {a: s["version"] for a, s in coordinator.status().items() if isinstance(s, dict)}
+        behind = sorted(a for a, v in versions.items() if v != trainer.version)
+        assert behind == [stale]
+        result = trainer.transfer(coordinator, resync=True)
+        assert result.total("wire_bytes") >= result.total("dense_bytes") / 2, "a dense resync"
+        assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
+    finally:
+        coordinator.configure_tree(fleet.addresses)
+        trainer.close()
+
+
+@pytest.mark.timeout(300)
+def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_commits() -> None:
+    victim = 1  # inner in the tree rooted at relay 0: relays 3 and 4 hang below it
+    specs = [RelaySpec(timeout_s=2.0)] * RELAYS
+    specs[victim] = RelaySpec(timeout_s=2.0, die_at=(2, 2))  # second payload of the 2nd transfer
+    with RelayFleet(specs) as fleet:
+        coordinator = RelayCoordinator(api_key=None, timeout_s=2.0, tuning=TUNING)
+        coordinator.configure_tree(fleet.addresses)
+        assert RelayTree.of(fleet.addresses, 2).children(fleet.addresses[0], fleet.addresses[1])
+        trainer: Trainer | None = None
+        try:
+            trainer = fresh_trainer(coordinator, seed=13, timeout_s=2.0)
+            previous = digests(trainer.state)
+            trainer.step(seed=300, density=0.5)
+            with pytest.raises(RefitError, match=fleet.addresses[victim]) as failed:
+                trainer.transfer(coordinator, timeout_s=2.0)
+            assert isinstance(failed.value, RefitTimeoutError)
+            assert str(failed.value).index(fleet.addresses[victim]) < 80, "dead relay first"
+            fleet.processes[victim].join(5)
+            assert fleet.processes[victim].exitcode == -9, "the victim died mid-transfer"
+            survivors = [a for i, a in enumerate(fleet.addresses) if i != victim]
+            held = held_digests(coordinator)
+            assert held[fleet.addresses[victim]] is None
+            assert all(held[a] == previous for a in survivors), "survivors must roll back"
+
+            coordinator.configure_tree(survivors)
+            trainer.transfer(coordinator, timeout_s=2.0)
+            assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
+        finally:
+            if trainer is not None:
+                trainer.close()
+            coordinator.close()
+
+
+def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
+    specs = [RelaySpec(), RelaySpec(fail_once=("commit",)), RelaySpec(fail_once=("rollback",))]
+    with RelayFleet(specs) as fleet:
+        coordinator = RelayCoordinator(api_key=None, timeout_s=4.0, tuning=TUNING)
+        trainer: Trainer | None = None
+        try:
+            coordinator.configure_tree(fleet.addresses)
+            trainer = Trainer(make_state(61), version=0)
+            result = trainer.transfer(coordinator, resync=True)  # relay 1 misses the commit
+            missed = fleet.addresses[1]
+            assert result.outcome.committed and set(result.outcome.decision_errors) == {missed}
+            held = coordinator.status()[missed]
+            assert isinstance(held, dict)
+            assert (held["version"], held["open"]["target"]) == (0, 1), "applied, undo held"
+            statuses = coordinator.reconcile()
+            assert {s["version"] for s in statuses.values() if isinstance(s, dict)} == {1}
+            assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
+
+            before = held_digests(coordinator)
+            trainer.step(seed=62)
+            transfer_id = new_transfer_id(2)
+            stream_sparse_delta_payloads_via_zmq(
+                trainer.state,
+                delta_tracker=trainer.shards[0].tracker,
+                refit_targets=fleet.addresses,
+                transfer_id=transfer_id,
+                api_key_env_var=None,
+                timeout_s=4.0,
+                shard_rank=0,
+                shard_count=1,
+                tuning=TUNING,
+            )
+            errors = coordinator.abort(transfer_id)  # relay 2 misses the rollback
+            trainer.shards[0].tracker.abort()
+            assert set(errors) == {fleet.addresses[2]}
+            assert held_digests(coordinator)[fleet.addresses[2]] != before[fleet.addresses[2]]
+            coordinator.reconcile()
+            assert held_digests(coordinator) == before
+        finally:
+            if trainer is not None:
+                trainer.close()
+            coordinator.close()

@@ -1,0 +1,67 @@
+"""The relay's in-process API: start, configure_tree, flush and close, with real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from relay_helpers import TUNING, Trainer, digests, make_state
+
+from refit_core.types import WeightVersion
+from refit_zmq.relay import (
+    TensorReceiver,
+    ZmqSparseRefitClient,
+    ZmqSparseRefitServer,
+    new_transfer_id,
+    payload_checksum,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def relay() -> Iterator[tuple[ZmqSparseRefitServer, TensorReceiver, str]]:
+    receiver = TensorReceiver(make_state(71), version=0)
+    server = ZmqSparseRefitServer(receiver, api_key_env_var=None, timeout_s=3.0, tuning=TUNING)
+    address = server.start()
+    try:
+        yield server, receiver, address
+    finally:
+        server.close()
+
+
+def test_flush_reports_what_was_applied_and_what_is_missing(
+    relay: tuple[ZmqSparseRefitServer, TensorReceiver, str],
+) -> None:
+    server, receiver, address = relay
+    assert address.startswith("tcp://127.0.0.1:")
+    assert len(server.configure_tree([address], own_address=address)) == 16
+    trainer = Trainer(make_state(71), version=0)
+    try:
+        trainer.step(seed=72)
+        payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
+        transfer_id = new_transfer_id(1)
+        assert server.flush(transfer_id)["complete"] is True, "nothing begun, nothing to wait for"
+        with ZmqSparseRefitClient(address, timeout_s=3.0, producer_id="p", retries=0) as client:
+            for index, payload in enumerate(payloads):
+                client.send_payload(
+                    transfer_id=transfer_id,
+                    payload_id=str(index),
+                    checksum=payload_checksum(payload),
+                    verification_candidates=8,
+                    body=payload,
+                )
+        report = server.flush(transfer_id, len(payloads))
+        assert (report["complete"], report["applied"], report["failures"]) == (
+            True,
+            len(payloads),
+            [],
+        )
+        assert report["bytes_received"] == sum(p.nbytes for p in payloads)
+        late = server.flush(transfer_id, len(payloads) + 1, timeout_s=0.3)
+        assert late["complete"] is False and late["failures"][-1]["code"] == "TIMEOUT"
+        receiver.commit(transfer_id)
+        assert receiver.status(digests=True)["digests"] == digests(trainer.state)
+        trainer.shards[0].tracker.commit()
+    finally:
+        trainer.close()

@@ -1,0 +1,127 @@
+"""The zmq_sparse synchronizer end to end: the factory, relays beside Ray engine workers,
+the conformance suite, sparse refits, stale engines and dead relays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import ray
+from sparse_actors import CONFIG, EngineFleet
+
+from refit_core import RefitTimeoutError, create_weight_synchronizer
+from refit_lab.conformance import RefitDeployment, SynchronizerConformance
+from refit_lab.digest import state_digest
+from refit_lab.ray_cluster import LocalCluster
+from refit_lab.reference_engine import random_checkpoint
+from refit_lab.trainer import SimulatedTrainer
+from refit_zmq.relay import RelayTuning
+from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
+
+pytestmark = pytest.mark.timeout(300)
+
+OPTIONS = ZmqSparseOptions(
+    shard_count=2,
+    bucket_size_bytes=256 * 1024,
+    call_timeout_s=5.0,
+    verify_digests=True,
+    tuning=RelayTuning(chunk_bytes=64 * 1024, max_inflight_bytes=16 << 20, retries=1),
+)
+
+
+@dataclass
+class SparseDeployment(RefitDeployment):
+    engines: Any = None
+
+    def engine_digests(self) -> list[dict[str, int]]:
+        digests: list[dict[str, int]] = self.engines.call("state_digests")
+        return digests
+
+    def engine_versions(self) -> list[int]:
+        versions: list[int] = self.engines.call("weight_version")
+        return versions
+
+    def engine_generate(self, prompts: Any, max_new_tokens: int) -> list[list[list[int]]]:
+        tokens: list[list[list[int]]] = self.engines.call("generate", prompts, max_new_tokens)
+        return tokens
+
+
+class TestZmqSparseConformance(SynchronizerConformance):
+    """The shared suite, through the factory, over three engine workers with relays."""
+
+    @pytest.fixture(autouse=True)
+    def _fresh_engines(self, engines: EngineFleet) -> None:
+        engines.reset(seed=100)
+        self.engines = engines
+
+    def create_deployment(self) -> RefitDeployment:
+        trainer = SimulatedTrainer(random_checkpoint(CONFIG, 0), lr=1e-2)
+        synchronizer = create_weight_synchronizer(
+            trainer,
+            self.engines,
+            "vllm",
+            False,
+            train_cluster=LocalCluster(1),
+            inference_cluster=LocalCluster(3),
+            refit_timeout_s=60.0,
+            transport="zmq_sparse",
+        )
+        assert isinstance(synchronizer, ZmqSparseWeightSynchronizer)
+        return SparseDeployment(trainer, synchronizer, CONFIG, self.engines)
+
+
+def _synchronizer(trainer: SimulatedTrainer, engines: EngineFleet) -> ZmqSparseWeightSynchronizer:
+    return ZmqSparseWeightSynchronizer(
+        trainer, engines.relay_addresses, refit_timeout_s=60.0, options=OPTIONS
+    )
+
+
+def _bitwise(engines: EngineFleet, trainer: SimulatedTrainer) -> list[bool]:
+    expected = state_digest(trainer.engine_state().items())
+    return [digests == expected for digests in engines.call("state_digests")]
+
+
+def test_refits_go_sparse_and_a_restarted_engine_is_resynced_densely(engines: EngineFleet) -> None:
+    engines.reset(seed=300)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 3))
+    with _synchronizer(trainer, engines) as synchronizer:
+        first = synchronizer.sync_weights()
+        assert first.wire_bytes >= first.dense_bytes // 2, "the first refit is a dense resync"
+        trainer.step()
+        second = synchronizer.sync_weights()
+        assert second.ok and _bitwise(engines, trainer) == [True] * 3
+        assert second.changed_elements > 0
+        assert second.wire_bytes < second.dense_bytes / 4, "an AdamW step travels sparse"
+        assert {k for k in second.timings_s if k.startswith("apply:")} == {
+            f"apply:{a}" for a in engines.relay_addresses()
+        }
+
+        ray.get(engines.workers[1].reset.remote(999), timeout=60)  # other bits, version 0
+        with pytest.raises(RefitTimeoutError, match="do not answer"):
+            synchronizer.sync_weights()  # its relay came back on another port
+        assert synchronizer.is_stale()
+        synchronizer.reconcile_communicator(())  # the tree over the current addresses
+        trainer.step()
+        third = synchronizer.sync_weights()
+        assert third.wire_bytes >= third.dense_bytes // 2, "the stale engine forces a resync"
+        assert _bitwise(engines, trainer) == [True] * 3
+        assert engines.call("weight_version") == [third.version] * 3
+
+
+def test_dead_relay_is_named_then_left_out(engines: EngineFleet) -> None:
+    engines.reset(seed=400)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4))
+    with _synchronizer(trainer, engines) as synchronizer:
+        synchronizer.sync_weights()
+        dead = engines.relay_addresses()[2]
+        ray.get(engines.workers[2].stop_relay.remote(), timeout=60)
+        trainer.step()
+        with pytest.raises(RefitTimeoutError, match=dead):
+            synchronizer.sync_weights()
+        assert synchronizer.is_stale()
+        synchronizer.reconcile_communicator({2})
+        assert not synchronizer.is_stale()
+        result = synchronizer.sync_weights()
+        assert {w.worker for w in result.workers} == set(engines.relay_addresses()[:2])
+        assert _bitwise(engines, trainer)[:2] == [True, True]
