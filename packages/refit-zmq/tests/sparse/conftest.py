@@ -21,7 +21,7 @@ MiB = 1 << 20
 collect_ignore = [] if importlib.util.find_spec("ray") else ["test_synchronizer.py"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
     import ray
     import sparse_actors
