@@ -53,10 +53,14 @@ def child() -> Iterator[tuple[zmq.Socket[bytes], str, zmq.Context[zmq.Socket[byt
         context.term()
 
 
-def _next(router: zmq.Socket[bytes]) -> tuple[bytes, Message]:
-    assert router.poll(2000), "nothing forwarded"
-    identity, *frames = router.recv_multipart()
-    return identity, parse(frames, NO_KEY)
+def _next(router: zmq.Socket[bytes], link: ChildLink) -> tuple[bytes, Message]:
+    """The next message the child gets; drives the link as the relay's event loop would."""
+    for _ in range(200):
+        link.pump()
+        if router.poll(10):
+            identity, *frames = router.recv_multipart()
+            return identity, parse(frames, NO_KEY)
+    raise AssertionError("nothing forwarded")
 
 
 def _reply(router: zmq.Socket[bytes], identity: bytes, kind: Kind, **fields: Any) -> None:
@@ -85,25 +89,30 @@ def test_chunks_are_forwarded_as_they_arrive(
         timeout_s=2.0,
         tuning=RelayTuning(),
     )
+    try:
+        _stream(router, address, link, events)
+    finally:
+        link.close()
+
+
+def _stream(router: zmq.Socket[bytes], address: str, link: ChildLink, events: Events) -> None:
     begin = {"checksum": "0" * 32, "verification_candidates": 0, "relay_root": address, "hops": 1}
     staged = StagedPayload(KEY, "0" * 32, 8, address, begin, b"parent")
     staged.write(0, memoryview(b"abcd"))
     link.add(staged)
-    identity, offer = _next(router)
+    identity, offer = _next(router, link)
     assert (offer.kind, offer.number("total_bytes"), offer.number("hops")) == (Kind.BEGIN, 8, 1)
     _reply(router, identity, Kind.READY, relay=address, chunk_bytes=4096)
     _until(link, events, "forwarded")
-    _, first = _next(router)
+    _, first = _next(router, link)
     assert first.kind is Kind.DATA and first.body is not None
     assert (first.number("offset"), bytes(first.body)) == (0, b"abcd")
     assert not staged.complete and ("released", KEY) not in events.log, "cut-through"
 
     staged.write(4, memoryview(b"efgh"))
-    link.pump()
-    _, second = _next(router)
+    _, second = _next(router, link)
     assert second.body is not None and (second.number("offset"), bytes(second.body)) == (4, b"efgh")
     assert ("released", KEY) in events.log and link.busy("t1"), "streamed, awaiting the ACK"
     _reply(router, identity, Kind.ACK, relay=address, duplicate=False, result={"items": 1})
     _until(link, events, "acked")
     assert not link.busy("t1")
-    link.close()

@@ -178,9 +178,9 @@ class Staging:
         """Staged payloads of a transfer."""
         return [s for s in self.staged.values() if s.key[0] == transfer_id]
 
-    def drop_pending(self, transfer_id: str | None = None) -> list[Pending]:
-        """Take queued BEGINs off the queue: those of ``transfer_id`` (None: every one)."""
-        dropped = [p for p in self.pending if transfer_id is None or p.key[0] == transfer_id]
+    def drop_pending(self, transfer_id: str) -> list[Pending]:
+        """Take the queued BEGINs of ``transfer_id`` off the queue."""
+        dropped = [p for p in self.pending if p.key[0] == transfer_id]
         for pending in dropped:
             self.pending.remove(pending)
         return dropped

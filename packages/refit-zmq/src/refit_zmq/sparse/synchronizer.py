@@ -158,20 +158,24 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             logger.warning("relays %s are not at version %d: dense resync", behind, committed.value)
         deadline.check("streaming the refit")
         options = self._options
-        result = run_transfer(
-            coordinator,
-            self._shards,
-            target_version=version,
-            resync=bool(behind),
-            options=TransferOptions(
-                options.api_key_env_var,
-                self._call_timeout(deadline),
-                options.tuning,
-                options.curve,
-                options.verification_candidates,
-            ),
-            expected_digests=self._digests() if options.verify_digests else None,
-        )
+        try:
+            result = run_transfer(
+                coordinator,
+                self._shards,
+                target_version=version,
+                resync=bool(behind),
+                options=TransferOptions(
+                    options.api_key_env_var,
+                    self._call_timeout(deadline),
+                    options.tuning,
+                    options.curve,
+                    options.verification_candidates,
+                ),
+                expected_digests=self._digests() if options.verify_digests else None,
+            )
+        except RefitTimeoutError:
+            self._stale = True  # a relay stopped answering: the tree needs reconciling
+            raise
         return self._result(version, result, time.monotonic() - started, resync=bool(behind))
 
     def _digests(self) -> dict[str, int]:
