@@ -90,7 +90,7 @@ class RelaySpec:
     seed: int = 0
     version: int | None = 0
     api_key: str | None = None
-    timeout_s: float = 4.0
+    timeout_s: float = 15.0
     tuning: RelayTuning = TUNING
     curve_public: bytes | None = None
     curve_secret: bytes | None = None
@@ -276,7 +276,7 @@ class Trainer:
         *,
         resync: bool = False,
         api_key_env_var: str | None = None,
-        timeout_s: float = 4.0,
+        timeout_s: float = 15.0,
         curve: CurveConfig | None = None,
     ) -> TransferResult:
         """Send the state as version ``version + 1``; on commit the version moves on."""

@@ -37,7 +37,7 @@ def fleet() -> Iterator[RelayFleet]:
 
 @pytest.fixture
 def coordinator(fleet: RelayFleet) -> Iterator[RelayCoordinator]:
-    created = RelayCoordinator(api_key=None, timeout_s=4.0, tuning=TUNING)
+    created = RelayCoordinator(api_key=None, timeout_s=15.0, tuning=TUNING)
     created.configure_tree(fleet.addresses)
     try:
         yield created
@@ -107,19 +107,19 @@ def test_stale_relay_is_reported_then_resynced_densely(
 @pytest.mark.timeout(300)
 def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_commits() -> None:
     victim = 1  # inner in the tree rooted at relay 0: relays 3 and 4 hang below it
-    specs = [RelaySpec(timeout_s=2.0)] * RELAYS
-    specs[victim] = RelaySpec(timeout_s=2.0, die_at=(2, 2))  # second payload of the 2nd transfer
+    specs = [RelaySpec(timeout_s=6.0)] * RELAYS
+    specs[victim] = RelaySpec(timeout_s=6.0, die_at=(2, 2))  # second payload of the 2nd transfer
     with RelayFleet(specs) as fleet:
-        coordinator = RelayCoordinator(api_key=None, timeout_s=2.0, tuning=TUNING)
+        coordinator = RelayCoordinator(api_key=None, timeout_s=6.0, tuning=TUNING)
         coordinator.configure_tree(fleet.addresses)
         assert RelayTree.of(fleet.addresses, 2).children(fleet.addresses[0], fleet.addresses[1])
         trainer: Trainer | None = None
         try:
-            trainer = fresh_trainer(coordinator, seed=13, timeout_s=2.0)
+            trainer = fresh_trainer(coordinator, seed=13, timeout_s=6.0)
             previous = digests(trainer.state)
             trainer.step(seed=300, density=0.5)
             with pytest.raises(RefitError, match=fleet.addresses[victim]) as failed:
-                trainer.transfer(coordinator, timeout_s=2.0)
+                trainer.transfer(coordinator, timeout_s=6.0)
             assert isinstance(failed.value, RefitTimeoutError)
             assert str(failed.value).index(fleet.addresses[victim]) < 80, "dead relay first"
             fleet.processes[victim].join(5)
@@ -130,7 +130,7 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
             assert all(held[a] == previous for a in survivors), "survivors must roll back"
 
             coordinator.configure_tree(survivors)
-            trainer.transfer(coordinator, timeout_s=2.0)
+            trainer.transfer(coordinator, timeout_s=6.0)
             assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
         finally:
             if trainer is not None:
@@ -141,7 +141,7 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
 def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
     specs = [RelaySpec(), RelaySpec(fail_once=("commit",)), RelaySpec(fail_once=("rollback",))]
     with RelayFleet(specs) as fleet:
-        coordinator = RelayCoordinator(api_key=None, timeout_s=4.0, tuning=TUNING)
+        coordinator = RelayCoordinator(api_key=None, timeout_s=15.0, tuning=TUNING)
         trainer: Trainer | None = None
         try:
             coordinator.configure_tree(fleet.addresses)
@@ -165,7 +165,7 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
                 refit_targets=fleet.addresses,
                 transfer_id=transfer_id,
                 api_key_env_var=None,
-                timeout_s=4.0,
+                timeout_s=15.0,
                 shard_rank=0,
                 shard_count=1,
                 tuning=TUNING,
