@@ -1,4 +1,4 @@
-"""The `refit bench` subcommand: run registered benches, print tables, write JSON."""
+"""The `refit bench` subcommand: run registered benches, print tables, write JSON and plots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from refit_lab.bench.harness import BENCHES, BenchContext, format_table, load_bench, write_json
+from refit_lab.bench.harness import (
+    BENCHES,
+    BenchContext,
+    BenchReport,
+    format_table,
+    load_bench,
+    write_json,
+)
+from refit_lab.bench.plots import write_plots
 from refit_lab.bench.runtime import default_threads
 
 logger = logging.getLogger(__name__)
@@ -40,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=Path,
         default=Path("bench-results"),
         metavar="DIR",
-        help="with 'all': directory for one NAME.json per bench (default: bench-results/)",
+        help="with 'all': directory for one NAME.json per bench, and PNG plots where"
+        " matplotlib is installed (default: bench-results/)",
     )
     parser.add_argument(
         "--threads",
@@ -61,6 +70,7 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         return 2
     ctx = BenchContext(quick=args.quick, threads=args.threads)
     failed: list[str] = []
+    reports: dict[str, BenchReport] = {}
     for name in list(BENCHES) if run_all else [args.name]:
         logger.info(
             "bench %s (%s, %d threads)", name, "quick" if ctx.quick else "full", ctx.threads
@@ -75,8 +85,11 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         out.flush()
         if run_all:
             write_json(report, args.out_dir / f"{name}.json")
+            reports[name] = report
         elif args.json_path is not None:
             write_json(report, args.json_path)
+    if run_all:
+        write_plots(reports, args.out_dir)
     if failed:
         logger.error("failed benches: %s", ", ".join(failed))
         return 1
