@@ -1,0 +1,213 @@
+"""The colocated IPC synchronizer: tensor handles over ZMQ control sockets, ping-pong buffers.
+
+Each refit: ``begin`` (the buffers' handles and the manifest) to every worker, then buckets
+(the trainer fills one buffer while the workers load the other, and refills a buffer only
+after every worker acknowledged it), then the completion sentinel ``commit``, on which each
+worker checks its manifest and commits the version. Any failure sends ``abort`` to every
+worker; workers that loaded part of the refit are named in ``wedged_workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from refit_core.deadline import Deadline
+from refit_core.errors import RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core.protocols import PolicyLike
+from refit_core.synchronizer import WeightSynchronizer
+from refit_core.types import RefitResult, TensorSpec, WorkerOutcome
+from refit_zmq.ipc.links import WorkerLinks
+from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
+from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
+from refit_zmq.ipc.sizing import ALIGN_BYTES, default_buffer_bytes
+
+__all__ = ["IpcOptions", "IpcWeightSynchronizer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IpcOptions:
+    """How the channel's buffers are laid out.
+
+    Attributes:
+        buffer_size_bytes: size of each of the two ping-pong buffers (rounded down to the slot
+            alignment); None derives it from free memory (:mod:`refit_zmq.ipc.sizing`).
+        device: where the buffers live (``"cpu"``: shared memory; ``"cuda[:i]"``: CUDA IPC);
+            None picks the current CUDA device when there is one, else the CPU.
+    """
+
+    buffer_size_bytes: int | None = None
+    device: str | None = None
+
+    def resolve_device(self) -> torch.device:
+        """The buffers' device, with a CUDA index."""
+        if self.device is None:
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+
+class IpcWeightSynchronizer(WeightSynchronizer):
+    """Refits engine workers on this host through shared buffers (see the module docstring).
+
+    Args:
+        policy: the trainer (its ``weight_source()`` is read once per refit).
+        workers: the workers' control addresses, in a stable order (index ``i`` is engine
+            shard ``i`` for ``reconcile_communicator``); called again on every reconcile.
+        refit_timeout_s: deadline of one refit (None disarms).
+        options: buffer size and device.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike,
+        workers: Callable[[], Sequence[str]],
+        *,
+        refit_timeout_s: float | None = None,
+        options: IpcOptions | None = None,
+    ) -> None:
+        super().__init__(refit_timeout_s=refit_timeout_s)
+        self._policy = policy
+        self._workers = workers
+        self._options = options or IpcOptions()
+        self._pool: BufferPool | None = None
+        self._links: WorkerLinks | None = None
+        self._session = ""
+        self._stale = False
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def _init_communicator(self, deadline: Deadline) -> None:
+        self._connect(frozenset())
+
+    def _connect(self, absent: frozenset[int]) -> None:
+        if self._pool is None:
+            device = self._options.resolve_device()
+            size = self._options.buffer_size_bytes or default_buffer_bytes(device)
+            self._pool = BufferPool(size - size % ALIGN_BYTES, device)
+            self._session = uuid.uuid4().hex
+            logger.info("ipc: two %d-byte buffers on %s", self._pool.nbytes, device)
+        addresses = list(self._workers())
+        if any(shard >= len(addresses) for shard in absent):
+            raise ValueError(f"absent shards {sorted(absent)} of {len(addresses)} workers")
+        if self._links is not None:
+            self._links.close()
+            self._links = None
+        self._links = WorkerLinks([a for i, a in enumerate(addresses) if i not in absent])
+        self._stale = False
+
+    def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
+        links, pool = self._links, self._pool
+        assert links is not None and pool is not None
+        if links.broken:
+            raise RefitAbortedError("a worker timed out earlier: call reconcile_communicator")
+        source = self._policy.weight_source()
+        manifest = dict(source.state_dict_info())
+        started = time.monotonic()
+        try:
+            links.request(self._begin(version, manifest, pool), deadline)
+            began = time.monotonic()
+            wire = self._stream(
+                links, Packer(manifest, pool).buckets(source.iter_tensors()), version, deadline
+            )
+            streamed = time.monotonic()
+            links.request({"op": Op.COMMIT, "version": version, "count": len(manifest)}, deadline)
+        except RefitTimeoutError:
+            self._stale = True
+            raise
+        except Exception as exc:
+            wedged = self._settle(links, version, deadline)
+            logger.warning("ipc: refit to %d failed; partial loads on %s", version, wedged)
+            if isinstance(exc, RefitError):
+                exc.wedged_workers = tuple(wedged)
+            raise
+        finally:
+            pool.release_all()
+        done = time.monotonic()
+        return RefitResult(
+            version=version,
+            timings_s={
+                "begin": began - started,
+                "stream": streamed - began,
+                "commit": done - streamed,
+            },
+            total_s=done - started,
+            wire_bytes=wire,
+            dense_bytes=sum(slot_bytes(spec) for spec in manifest.values()),
+            workers=tuple(WorkerOutcome(a, True, version) for a in links.addresses),
+        )
+
+    def _begin(
+        self, version: int, manifest: Mapping[str, TensorSpec], pool: BufferPool
+    ) -> dict[str, object]:
+        return {
+            "op": Op.BEGIN,
+            "protocol": PROTOCOL,
+            "version": version,
+            "session": self._session,
+            "buffers": [buffer.handle.to_json() for buffer in pool.buffers],
+            "manifest": manifest_to_json(manifest),
+        }
+
+    def _stream(
+        self, links: WorkerLinks, buckets: Iterator[Bucket], version: int, deadline: Deadline
+    ) -> int:
+        """Send every bucket, one in flight while the next fills; the bytes sent."""
+        pool = self._pool
+        assert pool is not None
+        sent = 0
+        pending: Bucket | None = None
+        try:
+            for bucket in buckets:
+                if pool.device.type == "cuda":
+                    torch.cuda.current_stream(pool.device).synchronize()
+                if pending is not None:
+                    links.gather(deadline)
+                    self._release(pending)
+                links.send(bucket.message(version), deadline)
+                pending, sent = bucket, sent + bucket.nbytes
+            if pending is not None:
+                links.gather(deadline)
+        finally:
+            if pending is not None:
+                self._release(pending)
+        return sent
+
+    def _release(self, bucket: Bucket) -> None:
+        assert self._pool is not None
+        if bucket.oneoff is not None:
+            bucket.oneoff.close()
+        elif bucket.buffer is not None:
+            self._pool.release(bucket.buffer)
+
+    def _settle(self, links: WorkerLinks, version: int, deadline: Deadline) -> list[str]:
+        try:
+            return links.settle({"op": Op.ABORT, "version": version}, deadline)
+        except RefitTimeoutError:
+            self._stale = True
+            raise
+
+    def _is_stale(self) -> bool:
+        return self._stale
+
+    def _reconcile_communicator(self, absent_shards: frozenset[int], deadline: Deadline) -> None:
+        self._connect(absent_shards)
+
+    def _shutdown(self) -> None:
+        if self._links is not None:
+            self._links.close()
+        if self._pool is not None:
+            self._pool.close()
