@@ -9,17 +9,17 @@ and its other ranks answer at once.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from refit_core import CollectiveSenderSpec, GeometryMismatchError, TensorSpec
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
 from refit_nccl import JoinRequest, Participant, TransferPlan, TransferStats
+from refit_nccl.futures import dispatch, done, in_thread, then
 
 __all__ = ["DynamoRankParticipant", "StateItems", "dynamo_shards"]
 
@@ -28,52 +28,7 @@ logger = logging.getLogger(__name__)
 StateItems = tuple[tuple[str, TensorSpec], ...]
 """A state's ``(name, spec)`` pairs in transfer order (as refit-nccl's endpoints take it)."""
 
-_T = TypeVar("_T")
-_U = TypeVar("_U")
-
-
-def _done(value: _T) -> Future[_T]:
-    future: Future[_T] = Future()
-    future.set_result(value)
-    return future
-
-
-def _failed(error: BaseException) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_exception(error)
-    return future
-
-
-def _in_thread(fn: Callable[..., _T], *args: Any) -> Future[_T]:
-    """Run ``fn(*args)`` on a daemon thread (every call it makes has a timeout)."""
-    future: Future[_T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="refit-dynamo", daemon=True).start()
-    return future
-
-
-def _then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
-    """A future of ``fn(source's result)``, failing as ``source`` fails."""
-    target: Future[_U] = Future()
-
-    def relay(done: Future[_T]) -> None:
-        error = done.exception()
-        if error is not None:
-            target.set_exception(error)
-            return
-        try:
-            target.set_result(fn(done.result()))
-        except Exception as exc:
-            target.set_exception(exc)
-
-    source.add_done_callback(relay)
-    return target
+_THREAD = "refit-dynamo"
 
 
 class DynamoRankParticipant(Participant):
@@ -112,20 +67,14 @@ class DynamoRankParticipant(Participant):
     def call(self, method: str, *args: Any) -> Future[Any]:
         """Start ``method(*args)``; never blocks."""
         handlers: dict[str, Callable[..., Future[Any]]] = {
-            "refit_geometry": lambda: _done(self._channel.sender_spec),
-            "refit_plan": lambda state, geometry: _done(self._plan_for(state, geometry).digest),
+            "refit_geometry": lambda: done(self._channel.sender_spec),
+            "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
             "refit_join": self._join,
             "refit_transfer": self._transfer,
             "refit_commit": self._commit,
             "refit_abort": self._abort,
         }
-        handler = handlers.get(method)
-        if handler is None:
-            return _failed(NotImplementedError(f"a Dynamo worker has no {method}"))
-        try:
-            return handler(*args)
-        except Exception as exc:
-            return _failed(exc)
+        return dispatch(handlers, method, args, "a Dynamo worker")
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
         if geometry != self._channel.sender_spec:
@@ -138,12 +87,12 @@ class DynamoRankParticipant(Participant):
     def _join(self, request: JoinRequest) -> Future[str]:
         plan = self._plan = self._plan_for(request.state, request.geometry)
         if not self.drives:
-            return _done(plan.digest)
+            return done(plan.digest)
         self._channel.prepare(dict(request.state))
         group = request.group
         payload = init_payload(group.host, group.port, group.rank, group.world_size)
-        self._in_flight = _in_thread(join_worker, self._channel, self._index, payload)
-        return _then(self._in_flight, lambda _: plan.digest)
+        self._in_flight = in_thread(join_worker, self._channel, self._index, payload, name=_THREAD)
+        return then(self._in_flight, lambda _: plan.digest)
 
     def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
         plan = self._plan
@@ -158,15 +107,17 @@ class DynamoRankParticipant(Participant):
             )
 
         if not self.drives:
-            return _done(stats())
-        self._in_flight = _in_thread(update_worker, self._channel, self._index, version)
-        return _then(self._in_flight, stats)
+            return done(stats())
+        self._in_flight = in_thread(
+            update_worker, self._channel, self._index, version, name=_THREAD
+        )
+        return then(self._in_flight, stats)
 
     def _commit(self, version: int) -> Future[int]:
         if not self.drives:
-            return _done(version)
-        flushed = _in_thread(flush_worker, self._channel, self._index)
-        return _then(flushed, lambda _: version)
+            return done(version)
+        flushed = in_thread(flush_worker, self._channel, self._index, name=_THREAD)
+        return then(flushed, lambda _: version)
 
     def _abort(self, cause: str, *_: object) -> Future[None]:
         in_flight = self._in_flight
@@ -178,7 +129,7 @@ class DynamoRankParticipant(Participant):
                 self.label,
                 cause,
             )
-        return _done(None)
+        return done(None)
 
 
 def dynamo_shards(channel: DynamoRefitChannel) -> dict[int, list[Participant]]:

@@ -19,14 +19,16 @@ from typing import Any
 
 from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
 from refit_nccl import JoinRequest, Participant, TransferStats
+from refit_nccl.futures import dispatch, done, in_thread, then
 from refit_sglang.client import SGLangClient
-from refit_sglang.futures import done, failed, in_thread, then
 from refit_sglang.lifecycle import PauseMode, flush_caches, paused
 from refit_sglang.plan import DistributedPlan, StateItems, sglang_geometry
 
 __all__ = ["EngineSettings", "SGLangRankParticipant", "sglang_shards"]
 
 logger = logging.getLogger(__name__)
+
+_THREAD = "refit-sglang"
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,7 @@ class SGLangRankParticipant(Participant):
             "refit_commit": done,
             "refit_abort": self._abort,
         }
-        handler = handlers.get(method)
-        if handler is None:
-            return failed(NotImplementedError(f"an SGLang engine has no {method}"))
-        try:
-            return handler(*args)
-        except Exception as exc:
-            return failed(exc)
+        return dispatch(handlers, method, args, "an SGLang engine")
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> DistributedPlan:
         if geometry != self._geometry:
@@ -106,7 +102,7 @@ class SGLangRankParticipant(Participant):
             "group_name": group.name,
             "backend": group.backend,
         }
-        self._in_flight = in_thread(self._enter, body)
+        self._in_flight = in_thread(self._enter, body, name=_THREAD)
         return then(self._in_flight, lambda _: plan.digest)
 
     def _enter(self, body: dict[str, object]) -> None:
@@ -133,7 +129,7 @@ class SGLangRankParticipant(Participant):
 
         if self._local_rank != 0 or name is None:
             return done(stats())
-        self._in_flight = in_thread(self._refit, plan, name, version)
+        self._in_flight = in_thread(self._refit, plan, name, version, name=_THREAD)
         return then(self._in_flight, stats)
 
     def _refit(self, plan: DistributedPlan, group_name: str, version: int) -> None:
@@ -175,7 +171,7 @@ class SGLangRankParticipant(Participant):
             return done(None)
         self._group_name = None
         self._leaving = in_thread(
-            self._sglang, "destroy_weights_update_group", {"group_name": name}
+            self._sglang, "destroy_weights_update_group", {"group_name": name}, name=_THREAD
         )
         return done(None)
 

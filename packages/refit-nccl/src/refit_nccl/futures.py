@@ -1,13 +1,17 @@
-"""Small future helpers: engine calls run on daemon threads and report through futures."""
+"""Future helpers for participants whose engine calls run on daemon threads.
+
+A participant's ``call`` must never block, so one that drives an engine over HTTP starts each
+call on a thread of its own and answers with a future (refit-dynamo and refit-sglang do).
+"""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["done", "failed", "in_thread", "then"]
+__all__ = ["dispatch", "done", "failed", "in_thread", "then"]
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -27,8 +31,9 @@ def failed(error: BaseException) -> Future[Any]:
     return future
 
 
-def in_thread(fn: Callable[..., _T], *args: Any) -> Future[_T]:
-    """Run ``fn(*args)`` on a daemon thread (every call it makes must have a timeout)."""
+def in_thread(fn: Callable[..., _T], *args: Any, name: str) -> Future[_T]:
+    """Run ``fn(*args)`` on a daemon thread called ``name`` (every call it makes must have a
+    timeout)."""
     future: Future[_T] = Future()
 
     def run() -> None:
@@ -37,7 +42,7 @@ def in_thread(fn: Callable[..., _T], *args: Any) -> Future[_T]:
         except BaseException as exc:
             future.set_exception(exc)
 
-    threading.Thread(target=run, name="refit-sglang", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -57,3 +62,20 @@ def then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
 
     source.add_done_callback(relay)
     return target
+
+
+def dispatch(
+    handlers: Mapping[str, Callable[..., Future[Any]]],
+    method: str,
+    args: tuple[Any, ...],
+    what: str,
+) -> Future[Any]:
+    """Start ``handlers[method](*args)``; a failed future when ``what`` has no such method or
+    the handler raises."""
+    handler = handlers.get(method)
+    if handler is None:
+        return failed(NotImplementedError(f"{what} has no {method}"))
+    try:
+        return handler(*args)
+    except Exception as exc:
+        return failed(exc)
