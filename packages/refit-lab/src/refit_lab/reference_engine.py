@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ __all__ = [
     "ReferenceModel",
     "ReferenceModelConfig",
     "checkpoint_tensor_specs",
+    "fuse_checkpoint",
     "random_checkpoint",
 ]
 
@@ -377,6 +378,24 @@ def _checkpoint_targets(config: ReferenceModelConfig) -> dict[str, _Target]:
         offsets[param] = start + shape[0]
         targets[name] = _Target(param, start, start + shape[0], shape, config.torch_dtype)
     return targets
+
+
+def fuse_checkpoint(
+    config: ReferenceModelConfig, checkpoint: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors -> :class:`ReferenceModel` parameters (fused ``qkv_proj`` and
+    ``gate_up_proj``), by ``torch.cat``, so gradients flow back to the checkpoint tensors.
+
+    Raises:
+        KeyError: a checkpoint name the model needs is missing.
+    """
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, target in _checkpoint_targets(config).items():
+        parts.setdefault(target.param, []).append((target.start, checkpoint[name]))
+    return {
+        param: torch.cat([tensor for _, tensor in sorted(pieces, key=lambda p: p[0])])
+        for param, pieces in parts.items()
+    }
 
 
 class ReferenceEngine:
