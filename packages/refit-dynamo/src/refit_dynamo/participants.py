@@ -14,19 +14,17 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, TensorSpec
+from refit_core import CollectiveSenderSpec, GeometryMismatchError
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
 from refit_nccl import JoinRequest, Participant, TransferPlan, TransferStats
+from refit_nccl.endpoint import StateItems
 from refit_nccl.futures import dispatch, done, in_thread, then
 
 __all__ = ["DynamoRankParticipant", "StateItems", "dynamo_shards"]
 
 logger = logging.getLogger(__name__)
-
-StateItems = tuple[tuple[str, TensorSpec], ...]
-"""A state's ``(name, spec)`` pairs in transfer order (as refit-nccl's endpoints take it)."""
 
 _THREAD = "refit-dynamo"
 
