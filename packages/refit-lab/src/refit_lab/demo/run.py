@@ -237,6 +237,8 @@ def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -
         proxy = None
         if settings.transport == "zmq_sparse":
             fleet.start_relays(settings.timeout_s)
+        elif settings.transport == "ipc":
+            fleet.start_ipc_receivers()
         if settings.fault == "corrupt":
             proxy = CorruptingRelayProxy(fleet.relay_address(0))
             stack.callback(proxy.close)
@@ -245,7 +247,7 @@ def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -
             trainer,
             fleet,
             "vllm",
-            False,
+            settings.colocated,
             train_cluster=LocalCluster(1),
             inference_cluster=LocalCluster(settings.workers),
             refit_timeout_s=settings.timeout_s,

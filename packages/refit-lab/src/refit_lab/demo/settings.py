@@ -8,11 +8,11 @@ from refit_lab.reference_engine import ReferenceModelConfig
 
 __all__ = ["FAULTS", "MODELS", "TRANSPORTS", "DemoSettings"]
 
-TRANSPORTS: tuple[str, ...] = ("zmq_sparse", "collective")
-"""Transports the demo drives (factory rows of the vLLM backend)."""
+TRANSPORTS: tuple[str, ...] = ("zmq_sparse", "collective", "ipc")
+"""Transports the demo drives (factory rows of the vLLM backend; ``ipc`` is colocated)."""
 
 FAULTS: dict[str, frozenset[str]] = {
-    "kill-worker": frozenset({"zmq_sparse", "collective"}),
+    "kill-worker": frozenset({"zmq_sparse", "collective", "ipc"}),
     "kill-relay": frozenset({"zmq_sparse"}),
     "corrupt": frozenset({"zmq_sparse"}),
 }
@@ -84,6 +84,11 @@ class DemoSettings:
             raise ValueError("kill-worker needs at least 2 workers (one must survive)")
         if self.fault_step is not None and not 1 <= self.fault_step <= self.steps:
             raise ValueError(f"fault_step must be in [1, {self.steps}], got {self.fault_step}")
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the transport is a colocated one (trainer and engines share the host)."""
+        return self.transport == "ipc"
 
     @property
     def model_config(self) -> ReferenceModelConfig:

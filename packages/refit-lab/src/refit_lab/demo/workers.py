@@ -1,7 +1,8 @@
 """The demo's inference workers: reference engines in Ray actors, and the fleet around them.
 
 Every worker serves refit-nccl's collective endpoint (it *is* an ``EngineEndpoint``) and can
-run a refit-zmq relay beside its engine, so one worker class serves every transport.
+run a refit-zmq relay or IPC receiver beside its engine, so one worker class serves every
+transport.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl.endpoint import EngineEndpoint
+from refit_zmq.ipc import IpcReceiver
 from refit_zmq.sparse import EngineRelay
 
 __all__ = ["DemoFleet", "DemoWorker"]
@@ -34,6 +36,7 @@ class DemoWorker(EngineEndpoint):
         self._reference = ReferenceEngine(config, seed=checkpoint_seed)
         super().__init__(lambda: self._reference)
         self._relay: EngineRelay | None = None
+        self._ipc: IpcReceiver | None = None
 
     def start_relay(self, timeout_s: float) -> str:
         """Start (or restart) the relay beside the engine; its address."""
@@ -46,6 +49,13 @@ class DemoWorker(EngineEndpoint):
         if self._relay is not None:
             self._relay.close()
             self._relay = None
+
+    def start_ipc_receiver(self) -> str:
+        """Serve the colocated IPC channel beside the engine; the control address."""
+        if self._ipc is None:
+            self._ipc = IpcReceiver(self._reference, version=self._reference.weight_version)
+            self._ipc.start()
+        return self._ipc.address
 
     def state_digests(self) -> dict[str, int]:
         """Bitwise digest of every live weight, under checkpoint names."""
@@ -65,7 +75,8 @@ class DemoWorker(EngineEndpoint):
 
 
 class DemoFleet:
-    """``workers`` demo workers; a ``ZmqRelayGeneration`` and a ``CollectiveGeneration``.
+    """``workers`` demo workers: a ``ZmqRelayGeneration``, ``CollectiveGeneration`` and
+    ``IpcGeneration``.
 
     Worker ``i`` is shard ``i`` for ``reconcile_communicator``; a dead worker keeps its
     index (and its last relay address), so shard numbers never shift.
@@ -79,6 +90,7 @@ class DemoFleet:
         self.dead: set[int] = set()
         self._relays: dict[int, str] = {}
         self._relay_overrides: dict[int, str] = {}
+        self._ipc: dict[int, str] = {}
         self.pids: dict[int, int] = self.call("pid")
 
     @property
@@ -108,6 +120,14 @@ class DemoFleet:
     def relay_addresses(self) -> list[str]:
         """Every worker's relay address, in shard order (``ZmqRelayGeneration``)."""
         return [self._relay_overrides.get(i, self._relays[i]) for i in sorted(self._relays)]
+
+    def start_ipc_receivers(self) -> None:
+        """Start an IPC receiver beside every live worker."""
+        self._ipc = self.call("start_ipc_receiver")
+
+    def ipc_addresses(self) -> list[str]:
+        """Every worker's IPC control address, in shard order (``IpcGeneration``)."""
+        return [self._ipc[i] for i in sorted(self._ipc)]
 
     def collective_shards(self) -> Mapping[int, Sequence[Any]]:
         """Shard index -> its worker (``CollectiveGeneration``)."""
