@@ -97,19 +97,13 @@ class DynamoRankParticipant(Participant):
         if plan is None:
             raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
         started = time.monotonic()
-
-        def stats(_: object = None) -> TransferStats:
-            elapsed = time.monotonic() - started
-            return TransferStats(
-                len(plan.buckets), plan.wire_bytes, plan.dense_bytes, 0.0, 0.0, elapsed, elapsed
-            )
-
+        sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
         if not self.drives:
-            return done(stats())
+            return done(TransferStats.since(started, *sizes))
         self._in_flight = in_thread(
             update_worker, self._channel, self._index, version, name=_THREAD
         )
-        return then(self._in_flight, stats)
+        return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
 
     def _commit(self, version: int) -> Future[int]:
         if not self.drives:

@@ -54,6 +54,15 @@ class TransferStats:
     wait_s: float
     total_s: float
 
+    @classmethod
+    def since(
+        cls, started: float, buckets: int, wire_bytes: int, dense_bytes: int
+    ) -> TransferStats:
+        """Stats of a transfer that an engine ran on its own, so only its wall time since
+        ``started`` (``time.monotonic()``) is known."""
+        elapsed = time.monotonic() - started
+        return cls(buckets, wire_bytes, dense_bytes, 0.0, 0.0, elapsed, elapsed)
+
 
 def _buffer_count(plan: TransferPlan) -> int:
     packed = sum(1 for b in plan.buckets if not b.solo)

@@ -120,17 +120,11 @@ class SGLangRankParticipant(Participant):
         if plan is None:
             raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
         started = time.monotonic()
-
-        def stats(_: object = None) -> TransferStats:
-            elapsed = time.monotonic() - started
-            return TransferStats(
-                len(plan.buckets), plan.dense_bytes, plan.dense_bytes, 0.0, 0.0, elapsed, elapsed
-            )
-
+        sizes = (len(plan.buckets), plan.dense_bytes, plan.dense_bytes)
         if self._local_rank != 0 or name is None:
-            return done(stats())
+            return done(TransferStats.since(started, *sizes))
         self._in_flight = in_thread(self._refit, plan, name, version, name=_THREAD)
-        return then(self._in_flight, stats)
+        return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
 
     def _refit(self, plan: DistributedPlan, group_name: str, version: int) -> None:
         """Pause, receive every bucket, flush, and continue generation whatever happens."""

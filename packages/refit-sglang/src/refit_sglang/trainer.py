@@ -41,8 +41,6 @@ class SGLangPeerTrainer(PeerTrainer[DistributedPlan]):
                     raise ProtocolError(f"the source yielded {sent and sent.name!r}, plan {name!r}")
                 tensor = sent.tensor.to(group.device, non_blocking=False).contiguous()
                 group.broadcast(tensor, 0, deadline)
-        elapsed = time.monotonic() - started
-        logger.info("sent version %d (%d buckets) in %.3f s", version, len(plan.buckets), elapsed)
-        return TransferStats(
-            len(plan.buckets), plan.dense_bytes, plan.dense_bytes, 0.0, 0.0, elapsed, elapsed
-        )
+        stats = TransferStats.since(started, len(plan.buckets), plan.dense_bytes, plan.dense_bytes)
+        logger.info("sent version %d (%d buckets) in %.3f s", version, stats.buckets, stats.total_s)
+        return stats
