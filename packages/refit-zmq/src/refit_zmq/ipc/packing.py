@@ -126,6 +126,7 @@ class Packer:
                 yield current
                 seq, current = seq + 1, None
             if nbytes > half:
+                logger.debug("ipc: one-off buffer of %d bytes for %s", nbytes, named.name)
                 oneoff = SharedBuffer(align_up(nbytes), self._pool.device)
                 _copy_into(oneoff.tensor, 0, spec, named.tensor)
                 yield Bucket(seq, None, oneoff, [Item(named.name, 0, spec)], nbytes)
