@@ -1,4 +1,4 @@
-"""Fault injection for tests and benchmarks: kill, freeze, thaw and delay processes.
+"""Fault injection for tests and benchmarks: kill, freeze, thaw, delay and stop processes.
 
 :class:`ProcessGang` spawns worker processes (start method ``spawn``) and always reaps them:
 on exit every survivor is thawed, killed and joined, so a failing test never leaves a frozen
@@ -18,10 +18,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.context import SpawnProcess
-from types import TracebackType
 from typing import Any
 
-__all__ = ["ProcessGang", "after", "fault_self", "freeze", "frozen", "kill", "thaw"]
+__all__ = [
+    "ProcessGang",
+    "after",
+    "fault_self",
+    "freeze",
+    "frozen",
+    "kill",
+    "stop_process",
+    "thaw",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,21 @@ def freeze(pid: int) -> None:
 def thaw(pid: int) -> None:
     """SIGCONT ``pid``."""
     _signal(pid, signal.SIGCONT)
+
+
+def stop_process(
+    process: multiprocessing.process.BaseProcess, grace_s: float, *, wait_s: float
+) -> bool:
+    """Give ``process`` ``grace_s`` to exit, then terminate it, then kill it, waiting up to
+    ``wait_s`` after each signal; whether it has exited."""
+    process.join(grace_s)
+    for action, send in (("terminating", process.terminate), ("killing", process.kill)):
+        if not process.is_alive():
+            return True
+        logger.warning("%s %s (pid %s)", action, process.name, process.pid)
+        send()
+        process.join(wait_s)
+    return not process.is_alive()
 
 
 @contextmanager
@@ -131,10 +154,5 @@ class ProcessGang:
     def __enter__(self) -> ProcessGang:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.reap()

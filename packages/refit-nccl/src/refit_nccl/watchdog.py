@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from types import TracebackType
 
 from refit_core import Deadline
 
@@ -50,12 +49,7 @@ class Watchdog:
             self._timer.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -15,13 +15,12 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from refit_core.types import TensorSpec, WeightVersion
-from refit_lab.faults import fault_self
+from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
     CurveConfig,
@@ -203,12 +202,7 @@ class RelayFleet:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     @property
@@ -230,15 +224,12 @@ class RelayFleet:
         raise RuntimeError(f"no {field} for relay {index}")
 
     def close(self) -> None:
-        """Stop every child (politely, then SIGKILL) and join it."""
+        """Stop every child (politely, then by signal) and join it."""
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send("stop")
         for process in self._processes:
-            process.join(3)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+            stop_process(process, 3.0, wait_s=5.0)
         for conn in self._conns:
             conn.close()
 

@@ -13,8 +13,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Generic, Self, TypeVar
+
+from refit_lab.faults import stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +151,7 @@ class ChildGroup(Generic[T]):
         logger.debug("started %d %s children", len(self._procs), self._name)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
         self._stop(grace_s=0.0 if exc is not None else _JOIN_GRACE_S)
 
     def poll(self, timeout_s: float = 0.0) -> None:
@@ -185,14 +181,6 @@ class ChildGroup(Generic[T]):
 
     def _stop(self, grace_s: float = 0.0) -> None:
         for proc in self._procs:
-            proc.join(min(grace_s, self._deadline.remaining_s()))
-            if proc.is_alive():
-                logger.warning("terminating %s (pid %s)", proc.name, proc.pid)
-                proc.terminate()
-                proc.join(_KILL_WAIT_S)
-            if proc.is_alive():
-                logger.warning("killing %s (pid %s)", proc.name, proc.pid)
-                proc.kill()
-                proc.join(_KILL_WAIT_S)
+            stop_process(proc, min(grace_s, self._deadline.remaining_s()), wait_s=_KILL_WAIT_S)
         for conn in self._conns:
             conn.close()
