@@ -26,6 +26,7 @@ ProgressHook = Callable[[str, float], None]
 BENCHES: dict[str, str] = {
     "baseline": "refit_lab.bench.baseline:run",
     "collective": "refit_lab.bench.collective:run",
+    "ipc": "refit_lab.bench.ipc:run",
     "codec": "refit_lab.bench.codec:run",
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",

@@ -1,0 +1,34 @@
+"""The `ipc` bench at a tiny size: registration, a bit-exact refit into a child engine, the ratio."""
+
+from __future__ import annotations
+
+import pytest
+
+from refit_lab.bench import ipc
+from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.references import MiB
+from refit_lab.bench.relay import engine_config, state_bytes
+
+TINY = ipc.Sizes(state_bytes=4 * MiB, buffer_bytes=MiB, repeats=1, hidden=128)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ipc_is_registered() -> None:
+    assert BENCHES["ipc"] == "refit_lab.bench.ipc:run"
+    assert load_bench("ipc") is ipc.run
+
+
+def test_states_have_the_promised_sizes() -> None:
+    quick = state_bytes(engine_config(ipc.QUICK.state_bytes, hidden=ipc.QUICK.hidden))
+    full = state_bytes(engine_config(ipc.FULL.state_bytes, hidden=ipc.FULL.hidden))
+    assert 64 * MiB <= quick <= 70 * MiB
+    assert 512 * MiB <= full <= 520 * MiB
+
+
+def test_refits_into_a_child_engine_bitexact_and_reports_the_ratio() -> None:
+    report = ipc.measure(BenchContext(quick=True, threads=1), TINY)
+    assert report.summary["bitexact"] is True
+    assert report.summary["ipc_fraction_of_memcpy"] > 0
+    assert [r["case"] for r in report.results] == ["memcpy", "ipc"]
+    assert report.to_json()["bench"] == "ipc"
