@@ -18,7 +18,6 @@ process-group timeout the trainer set (``init_process_group(timeout=...)``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ from refit_core.sources.name_map import NameMap, Rename, as_name_map
 from refit_core.sources.ordering import CollectiveOrderGuard
 from refit_core.sources.plan import (
     Unit,
+    fingerprint,
     materialize,
     pack_buckets,
     plan_info,
@@ -158,18 +158,17 @@ def _check_same_plan(
     dtensor = _dtensor_type()
     if dtensor is None:
         return
-    digest = hashlib.blake2b(repr(buckets).encode(), digest_size=7).digest()
-    fingerprint = int.from_bytes(digest, "little")
+    planned = fingerprint(buckets)
     meshes: dict[DeviceMesh, None] = {
         t.device_mesh: None for t in tensors.values() if isinstance(t, dtensor)
     }
     for mesh in meshes:
         for group in mesh.get_all_groups():
-            mine = torch.tensor([fingerprint], dtype=torch.int64, device=mesh.device_type)
+            mine = torch.tensor([planned], dtype=torch.int64, device=mesh.device_type)
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(everyone, mine, group=group)
             seen = sorted({int(t.item()) for t in everyone})
-            if seen != [fingerprint]:
+            if seen != [planned]:
                 raise GeometryMismatchError(
                     f"ranks planned different buckets (fingerprints {seen}); every rank must "
                     "hold the same state names, shapes and dtypes"

@@ -9,6 +9,7 @@ ride with its output. Sources cast each input once (:mod:`refit_core.sources.cas
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Unit",
     "build_plan",
+    "fingerprint",
     "materialize",
     "pack_buckets",
     "plan_info",
@@ -217,6 +219,12 @@ def pack_buckets(units: Sequence[Unit], bucket_size_bytes: int | None) -> list[t
     if current:
         buckets.append(tuple(current))
     return buckets
+
+
+def fingerprint(buckets: Sequence[tuple[Unit, ...]]) -> int:
+    """A 56-bit fingerprint of a bucket plan (fits an int64 tensor; ranks compare it)."""
+    digest = hashlib.blake2b(repr(buckets).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def materialize(unit: Unit, tensors: Sequence[torch.Tensor]) -> list[NamedTensor]:

@@ -52,8 +52,9 @@ def execute_reshard(
         sources: this process's source shards by name (empty if it is no source rank).
         destinations: this process's destination shards by name, written in place.
         deadline: the refit's deadline.
-        group: a connected group of :attr:`ReshardPlan.world_size` processes; only needed
-            when a copy of this process crosses to another.
+        group: a connected group of at least :attr:`ReshardPlan.world_size` processes (its
+            later ranks take no part); only needed when a copy of this process crosses to
+            another.
 
     Raises:
         ValueError: the group or the local shards do not match the plan.
@@ -61,9 +62,10 @@ def execute_reshard(
         RefitAbortedError: the group was aborted.
     """
     me = process
-    if group is not None and (group.rank, group.world_size) != (me, plan.world_size):
+    if group is not None and (group.rank != me or group.world_size < plan.world_size):
         raise ValueError(
-            f"group rank {group.rank}/{group.world_size} is not {me}/{plan.world_size}"
+            f"group rank {group.rank}/{group.world_size} cannot be process {me} of "
+            f"{plan.world_size}"
         )
     _check_shards(plan, me, sources, destinations)
     if deadline.expired():
