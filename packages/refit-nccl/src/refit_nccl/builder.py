@@ -32,10 +32,13 @@ class CollectivePolicy(Protocol):
 
 @runtime_checkable
 class CollectiveGeneration(Protocol):
-    """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods."""
+    """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods,
+    or ready-made :class:`~refit_nccl.participants.Participant` objects (vLLM engines:
+    :class:`refit_nccl.vllm.VllmCollectiveGeneration`)."""
 
     def collective_shards(self) -> Mapping[int, Sequence[Any]]:
-        """Shard index -> actor handles of its workers; a restarted worker has a new handle."""
+        """Shard index -> its workers' actor handles or participants; a restarted worker has
+        a new one."""
         ...
 
 
@@ -48,6 +51,10 @@ def _trainers(policy: object) -> list[Participant]:
     raise ValueError(
         "policy must provide collective_trainers() (Ray trainer ranks) or weight_source()"
     )
+
+
+def _engine_participant(worker: Any, label: str) -> Participant:
+    return worker if isinstance(worker, Participant) else ActorParticipant(worker, label)
 
 
 def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
@@ -65,7 +72,7 @@ def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWei
 
     def shards() -> ShardMap:
         return {
-            index: [ActorParticipant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
+            index: [_engine_participant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
             for index, hs in generation.collective_shards().items()
         }
 

@@ -15,7 +15,7 @@ from refit_core.protocols import PolicyLike
 from refit_core.registry import SynchronizerRequest
 from refit_zmq.sparse.synchronizer import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
-__all__ = ["ZmqRelayGeneration", "build_zmq_sparse_synchronizer"]
+__all__ = ["CommitListener", "ZmqRelayGeneration", "build_zmq_sparse_synchronizer"]
 
 
 @runtime_checkable
@@ -24,6 +24,15 @@ class ZmqRelayGeneration(Protocol):
 
     def relay_addresses(self) -> Sequence[str]:
         """The relays' addresses, one per engine shard, in shard order."""
+        ...
+
+
+@runtime_checkable
+class CommitListener(Protocol):
+    """A generation that must act once the relays committed (vLLM loads the relays' copy)."""
+
+    def refit_committed(self, version: int) -> None:
+        """Make the engines serve ``version``, which every relay committed."""
         ...
 
 
@@ -46,4 +55,5 @@ def build_zmq_sparse_synchronizer(request: SynchronizerRequest) -> ZmqSparseWeig
         generation.relay_addresses,
         refit_timeout_s=request.refit_timeout_s,
         options=options,
+        on_commit=generation.refit_committed if isinstance(generation, CommitListener) else None,
     )

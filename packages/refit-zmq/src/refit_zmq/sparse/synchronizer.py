@@ -85,6 +85,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             engine shard ``i`` for ``reconcile_communicator``).
         refit_timeout_s: deadline of one refit (None disarms).
         options: shards, bucket size, verification, security.
+        on_commit: called with the version once every relay committed it, for engines whose
+            relay writes a copy that must then be loaded (vLLM); its error fails the refit.
     """
 
     def __init__(
@@ -94,10 +96,12 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         *,
         refit_timeout_s: float | None = None,
         options: ZmqSparseOptions | None = None,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(refit_timeout_s=refit_timeout_s)
         self._policy = policy
         self._relays = relays
+        self._on_commit = on_commit
         self._options = options or ZmqSparseOptions()
         self._coordinator: RelayCoordinator | None = None
         self._shards: list[ProducerShard] = []
@@ -176,6 +180,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         except RefitTimeoutError:
             self._stale = True  # a relay stopped answering: the tree needs reconciling
             raise
+        if self._on_commit is not None:
+            self._on_commit(version)
         return self._result(version, result, time.monotonic() - started, resync=bool(behind))
 
     def _digests(self) -> dict[str, int]:

@@ -1,0 +1,39 @@
+"""refit-nccl inside vLLM: the packed-collective receiver as a vLLM weight-transfer engine.
+
+Start each engine with :func:`engine_args`, then hand the engines to the synchronizer::
+
+    llm = LLM(model=path, **engine_args())
+    sync = create_weight_synchronizer(trainer, VllmCollectiveGeneration([llm]), "vllm", False,
+                                      train_cluster, inference_cluster, refit_timeout_s=60)
+
+Importing this package does not import vLLM; :mod:`refit_nccl.vllm.engine` (built by vLLM
+in each worker) does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit_nccl.vllm.participant import VllmCollectiveGeneration, VllmEngineParticipant
+
+__all__ = [
+    "BACKEND",
+    "WORKER_EXTENSION",
+    "VllmCollectiveGeneration",
+    "VllmEngineParticipant",
+    "engine_args",
+]
+
+BACKEND = "refit_nccl"
+"""The weight-transfer backend name refit-nccl registers with vLLM."""
+
+WORKER_EXTENSION = "refit_nccl.vllm.worker.CollectiveWorkerExtension"
+"""The worker extension that carries the endpoint calls (``worker_extension_cls``)."""
+
+
+def engine_args() -> dict[str, Any]:
+    """The ``vllm.LLM`` / ``EngineArgs`` keywords that install refit-nccl's receiver."""
+    return {
+        "weight_transfer_config": {"backend": BACKEND},
+        "worker_extension_cls": WORKER_EXTENSION,
+    }

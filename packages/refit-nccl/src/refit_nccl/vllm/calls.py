@@ -1,0 +1,109 @@
+"""The bytes a refit call and its reply travel as through vLLM's ``collective_rpc``.
+
+vLLM serializes RPC arguments with msgpack and refuses arbitrary objects (tensors and custom
+types fail unless insecure serialization is switched on), while bytes always pass. A call is a
+method name from a fixed set plus its arguments, pickled; a reply is the result, or the
+error's type name and message, pickled. Both ends are refit code on a trusted control channel
+(vLLM's own, which carries the model), exactly as Ray actor calls are.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from refit_core import errors
+from refit_core.errors import ProtocolError, RefitError, WorkerError
+
+__all__ = ["ENDPOINT_METHODS", "decode_call", "decode_reply", "encode_call", "encode_reply"]
+
+ENDPOINT_METHODS = frozenset(
+    {
+        "refit_geometry",
+        "refit_plan",
+        "refit_join",
+        "refit_transfer",
+        "refit_commit",
+        "refit_abort",
+        "refit_status",
+    }
+)
+"""The :class:`~refit_nccl.endpoint.EngineEndpoint` methods a controller may call."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Reply:
+    result: Any = None
+    error_type: str | None = None
+    error_message: str = ""
+    retryable: bool | None = None
+
+
+def encode_call(method: str, args: tuple[Any, ...]) -> bytes:
+    """One endpoint call as bytes.
+
+    Raises:
+        ValueError: ``method`` is not an endpoint method.
+    """
+    if method not in ENDPOINT_METHODS:
+        raise ValueError(f"{method!r} is not an endpoint method")
+    return pickle.dumps(_Call(method, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_call(data: bytes) -> tuple[str, tuple[Any, ...]]:
+    """``(method, args)`` of an encoded call.
+
+    Raises:
+        ProtocolError: not an encoded endpoint call.
+    """
+    call = pickle.loads(data)
+    if not isinstance(call, _Call) or call.method not in ENDPOINT_METHODS:
+        raise ProtocolError(f"not a refit endpoint call: {type(call).__name__}")
+    return call.method, call.args
+
+
+def encode_reply(result: Any = None, error: BaseException | None = None) -> bytes:
+    """A result, or an error by type name and message (exceptions do not always unpickle)."""
+    if error is None:
+        reply = _Reply(result)
+    else:
+        retryable = error.is_retryable if isinstance(error, RefitError) else None
+        reply = _Reply(None, type(error).__name__, str(error), retryable)
+    return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_reply(data: bytes, worker: str, method: str) -> Any:
+    """The result of an encoded reply; its error raised as the refit error of the same name
+    (``TimeoutError`` as :class:`~refit_core.errors.RefitTimeoutError`), anything else as a
+    :class:`~refit_core.errors.WorkerError`.
+
+    Raises:
+        ProtocolError: not an encoded reply.
+    """
+    reply = pickle.loads(data)
+    if not isinstance(reply, _Reply):
+        raise ProtocolError(f"{worker}: not a refit reply: {type(reply).__name__}")
+    if reply.error_type is None:
+        return reply.result
+    name = "RefitTimeoutError" if reply.error_type == "TimeoutError" else reply.error_type
+    error_type = getattr(errors, name, None)
+    message = f"{worker}: {method}: {reply.error_message}"
+    if (
+        isinstance(error_type, type)
+        and issubclass(error_type, RefitError)
+        and error_type not in (WorkerError, errors.BackendNotInstalledError)
+    ):
+        raise error_type(message, is_retryable=reply.retryable)
+    raise WorkerError(
+        f"{reply.error_type}: {reply.error_message}",
+        worker=worker,
+        operation=method,
+        is_retryable=reply.retryable,
+    )

@@ -1,0 +1,126 @@
+"""Checkpoints, engines and greedy outputs for the engine tier (imported by its conftest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refit_core.sources import StateDictSource
+
+MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 1,  # head_dim 64: vLLM's CPU attention refuses 16
+    "num_key_value_heads": 1,
+    "vocab_size": 1000,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,
+}
+CHANGED_FRACTION = 0.01
+PROMPT_TOKENS = 160  # spans full KV blocks, so the prefix cache holds them
+NEW_TOKENS = 8
+
+Outputs = list[tuple[tuple[int, ...], tuple[float, ...]]]
+"""Per prompt: greedy token ids and each sampled token's logprob."""
+
+
+@dataclass
+class Checkpoints:
+    """Model directories and their tensors: A, B (unrelated), B' and B'' (B, then B', with
+    about 1% of elements changed)."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+class CheckpointPolicy:
+    """A ``PolicyLike`` serving whichever checkpoint ``state`` names."""
+
+    def __init__(self, checkpoints: Checkpoints, state: str) -> None:
+        self._checkpoints = checkpoints
+        self.state = state
+
+    def weight_source(self) -> StateDictSource:
+        return StateDictSource(self._checkpoints.tensors[self.state], dtype="bfloat16")
+
+
+def _perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    changed = {}
+    for name, tensor in tensors.items():
+        mask = torch.rand(tensor.shape, generator=generator) < CHANGED_FRACTION
+        noise = torch.randn(tensor.shape, generator=generator) * 0.05
+        changed[name] = torch.where(mask, tensor + noise.to(tensor.dtype), tensor)
+    return changed
+
+
+def make_checkpoints(root: Path) -> Checkpoints:
+    """Write A, B, B' and B'' as Hugging Face checkpoints (config + safetensors, no tokenizer)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**MODEL)
+    checkpoints = Checkpoints()
+    for name, seed in (("A", 1), ("B", 2)):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        checkpoints.tensors[name] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    checkpoints.tensors["B'"] = _perturb(checkpoints.tensors["B"], seed=3)
+    checkpoints.tensors["B''"] = _perturb(checkpoints.tensors["B'"], seed=4)
+    for name, tensors in checkpoints.tensors.items():
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.load_state_dict(tensors)
+        path = root / name.replace("'", "p")
+        model.save_pretrained(path)
+        checkpoints.paths[name] = str(path)
+    return checkpoints
+
+
+def start_engine(path: str, extra: dict[str, Any]) -> Any:
+    """A real vLLM engine on ``path`` (CPU, eager, bf16)."""
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        **extra,
+    )
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(1, MODEL["vocab_size"], (PROMPT_TOKENS,), generator=generator).tolist()
+        for _ in range(3)
+    ]
+
+
+def generate(llm: Any, *, expect_cached: bool | None = None) -> Outputs:
+    """Greedy outputs of the tier's prompts; with ``expect_cached`` also check whether the
+    prefix cache served part of them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
+    results = llm.generate(prompts, params, use_tqdm=False)
+    if expect_cached is not None:
+        cached = [r.num_cached_tokens or 0 for r in results]
+        assert (min(cached) > 0) == expect_cached, f"cached prompt tokens: {cached}"
+    outputs: Outputs = []
+    for result in results:
+        completion = result.outputs[0]
+        logprobs = tuple(
+            step[token].logprob
+            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+        )
+        outputs.append((tuple(completion.token_ids), logprobs))
+    return outputs
