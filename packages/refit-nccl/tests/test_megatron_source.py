@@ -159,3 +159,23 @@ def test_the_source_is_a_sharded_weight_source_and_refuses_bad_arguments() -> No
             MegatronSource(CONFIG, Parallelism(), dict, group, **bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs 2"):
         MegatronSource(CONFIG, Parallelism(tp=2), dict, group)
+
+
+def test_a_non_sending_trainer_rank_of_a_sharded_source_is_refused_before_joining() -> None:
+    from refit_core import CollectiveSenderSpec, GeometryMismatchError
+    from refit_nccl.endpoint import JoinRequest, TrainerEndpoint
+    from refit_nccl.group import AbortableProcessGroup, GroupSpec
+    from refit_nccl.megatron import MegatronSource, Parallelism
+
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", 1, 0, 1))
+    source = MegatronSource(CONFIG, Parallelism(), dict, group)
+
+    class Policy:
+        def weight_source(self) -> MegatronSource:
+            return source
+
+    trainer = TrainerEndpoint(Policy())
+    geometry = CollectiveSenderSpec("refit", 1 << 20, 2)
+    spec = GroupSpec("127.0.0.1", free_port(), 1, 2, name="refused")
+    with pytest.raises(GeometryMismatchError, match="only its sending rank joins"):
+        trainer.refit_join(JoinRequest(spec, trainer.refit_state(), geometry, 5.0))

@@ -28,6 +28,7 @@ from refit_core import (
     TensorSpec,
 )
 from refit_core.protocols import PolicyLike
+from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
 from refit_nccl.geometry import DEFAULT_GEOMETRY
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
@@ -198,6 +199,10 @@ class TrainerEndpoint(_Endpoint):
     """A trainer rank: rank 0 broadcasts the policy's weights, other trainer ranks receive
     and discard them (a broadcast needs every member).
 
+    A sharded source (:class:`~refit_core.sources.ShardedWeightSource`) runs gathers on every
+    trainer rank: only its sending rank joins the refit group, as rank 0, and every other
+    rank drives ``iter_buckets()`` beside the refit; such a rank asking to join is refused.
+
     Args:
         policy: where the weights come from; ``weight_source()`` is read on every refit.
     """
@@ -205,6 +210,19 @@ class TrainerEndpoint(_Endpoint):
     def __init__(self, policy: PolicyLike) -> None:
         super().__init__()
         self._policy = policy
+
+    def refit_join(self, request: JoinRequest) -> str:
+        """See :meth:`_Endpoint.refit_join`; refuses a non-sending rank of a sharded source.
+
+        Raises:
+            GeometryMismatchError: this rank is not rank 0 and its source is sharded.
+        """
+        if request.group.rank and isinstance(self._policy.weight_source(), ShardedWeightSource):
+            raise GeometryMismatchError(
+                f"{request.group.label}: a sharded source gathers on every trainer rank, so only "
+                "its sending rank joins the refit group; drive iter_buckets() on the others"
+            )
+        return super().refit_join(request)
 
     def refit_state(self) -> StateItems:
         """The state this trainer sends, in transfer order."""
