@@ -56,6 +56,7 @@ class RawTrainer:
     def begin(self, version: int, **overrides: Any) -> dict[str, Any]:
         message = {
             "op": "begin",
+            "protocol": "refit-ipc/1",
             "version": version,
             "session": "s1",
             "buffers": [b.handle.to_json() for b in self.pool.buffers],
@@ -155,6 +156,7 @@ def test_slots_outside_the_buffer_and_old_versions_are_refused(
     outside["items"][0][1] = 64 * KiB
     assert trainer.ask(outside)["error"] == "MALFORMED"
     assert trainer.begin(0)["error"] == "VERSION"
+    assert trainer.begin(2, protocol="refit-ipc/0")["error"] == "MALFORMED"
     wrong = trainer.begin(1, manifest={"lm_head.weight": [[1], "bfloat16"]})
     assert wrong["error"] == "GEOMETRY"
     assert engine.weight_version == 0

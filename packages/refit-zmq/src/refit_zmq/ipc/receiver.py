@@ -32,6 +32,7 @@ from refit_core.errors import (
 from refit_core.types import TensorSpec
 from refit_zmq.ipc.handles import attach, handle_from_json
 from refit_zmq.ipc.protocol import (
+    PROTOCOL,
     Item,
     Op,
     code_for_error,
@@ -227,6 +228,10 @@ class IpcReceiver:
         return transaction
 
     def _begin(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        if message.get("protocol") != PROTOCOL:
+            raise ProtocolError(
+                f"protocol {message.get('protocol')!r}, this worker speaks {PROTOCOL}"
+            )
         version: int = require(message, "version", int)
         session: str = require(message, "session", str)
         handles = require(message, "buffers", list)
