@@ -100,7 +100,12 @@ class IpcReceiver:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(bind_address)
+        try:
+            self._socket.bind(bind_address)
+        except zmq.ZMQError:
+            self._socket.close()
+            self._context.term()
+            raise
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The address the trainer connects to (lists it in ``ipc_addresses()``)."""
         self._thread: threading.Thread | None = None
