@@ -1,11 +1,12 @@
 """Fixtures of the engine tier: tiny Qwen2 checkpoints and two real vLLM engines.
 
 Start-ups are the cost (each spawns vLLM's engine-core and worker processes), so the tier
-starts two engines for the whole session, one per receiver, and takes each one's first
-outputs as the fresh-engine expectation of the checkpoint it started on:
+starts one engine per receiver for the whole session and takes each one's first outputs as
+the fresh-engine expectation of the checkpoint it started on:
 
 * the collective engine (refit-nccl's receiver) starts on B' and is refitted B' -> A -> B -> B';
-* the sparse engine (refit-zmq's relay receiver) starts on B and is refitted B -> A -> B -> B'.
+* the sparse engine (refit-zmq's relay receiver) starts on B and is refitted B -> A -> B -> B';
+* the IPC engine (refit-zmq's colocated receiver) starts on A and is refitted A -> B -> B'.
 
 So every "after a refit to B" is compared with a fresh engine started on B, and every
 "after a refit to B'" with a fresh engine started on B'. vLLM is imported only here, lazily:
@@ -68,3 +69,14 @@ def fresh(
 ) -> dict[str, Outputs]:
     """What a freshly started engine generates on B and on B'."""
     return {"B": sparse_engine[1], "B'": collective_engine[1]}
+
+
+@pytest.fixture(scope="session")
+def ipc_engine(checkpoints: Checkpoints) -> Iterator[tuple[Any, Outputs]]:
+    from refit_zmq.vllm import engine_args
+
+    llm = start_engine(checkpoints.paths["A"], engine_args("ipc"))
+    try:
+        yield llm, generate(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -24,11 +24,11 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from refit_core import CollectiveSenderSpec, RefitError
+from refit_core.checkpoint import checkpoint_specs
 from refit_core.types import dtype_name
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import EngineEndpoint
 from refit_nccl.geometry import DEFAULT_GEOMETRY
-from refit_nccl.vllm.checkpoint import checkpoint_specs
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
 

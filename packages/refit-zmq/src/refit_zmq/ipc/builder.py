@@ -2,7 +2,9 @@
 
 ``policy`` is a ``PolicyLike`` in the trainer's process on the engines' host; ``generation``
 lists the control addresses of its workers' :class:`~refit_zmq.ipc.IpcReceiver`
-(:class:`IpcGeneration`). ``refit_buffer_size_gb`` sizes each of the two buffers.
+(:class:`IpcGeneration`), and opens their sessions around each refit where they need one
+(:class:`~refit_zmq.ipc.synchronizer.RefitSessions`: vLLM engines). ``refit_buffer_size_gb``
+sizes each of the two buffers.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from refit_core.protocols import PolicyLike
 from refit_core.registry import SynchronizerRequest
-from refit_zmq.ipc.synchronizer import IpcOptions, IpcWeightSynchronizer
+from refit_zmq.ipc.synchronizer import IpcOptions, IpcWeightSynchronizer, RefitSessions
 
 __all__ = ["IpcGeneration", "build_ipc_synchronizer"]
 
@@ -44,4 +46,5 @@ def build_ipc_synchronizer(request: SynchronizerRequest) -> IpcWeightSynchronize
         generation.ipc_addresses,
         refit_timeout_s=request.refit_timeout_s,
         options=IpcOptions(buffer_size_bytes=request.refit_buffer_size_bytes),
+        sessions=generation if isinstance(generation, RefitSessions) else None,
     )

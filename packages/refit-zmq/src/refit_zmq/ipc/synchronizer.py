@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,7 +28,7 @@ from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
 from refit_zmq.ipc.sizing import ALIGN_BYTES, default_buffer_bytes
 
-__all__ = ["IpcOptions", "IpcWeightSynchronizer"]
+__all__ = ["IpcOptions", "IpcWeightSynchronizer", "RefitSessions"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ class IpcOptions:
         return device
 
 
+@runtime_checkable
+class RefitSessions(Protocol):
+    """Workers that serve a refit only inside a session they run (vLLM's update session)."""
+
+    def refit_started(self, version: int, timeout_s: float | None) -> None:
+        """Open every worker's session; returns at once, the workers then serve the refit."""
+        ...
+
+    def refit_finished(self, version: int, committed: bool) -> None:
+        """Close every session; after a commit the engines serve ``version``."""
+        ...
+
+
 class IpcWeightSynchronizer(WeightSynchronizer):
     """Refits engine workers on this host through shared buffers (see the module docstring).
 
@@ -69,6 +83,8 @@ class IpcWeightSynchronizer(WeightSynchronizer):
             shard ``i`` for ``reconcile_communicator``); called again on every reconcile.
         refit_timeout_s: deadline of one refit (None disarms).
         options: buffer size and device.
+        sessions: for workers that load a refit only inside a session of their own (vLLM's
+            update session): opened before ``begin``, closed after the commit or abort.
     """
 
     def __init__(
@@ -78,10 +94,12 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         *,
         refit_timeout_s: float | None = None,
         options: IpcOptions | None = None,
+        sessions: RefitSessions | None = None,
     ) -> None:
         super().__init__(refit_timeout_s=refit_timeout_s)
         self._policy = policy
         self._workers = workers
+        self._sessions = sessions
         self._options = options or IpcOptions()
         self._pool: BufferPool | None = None
         self._links: WorkerLinks | None = None
@@ -110,6 +128,22 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         self._stale = False
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
+        sessions = self._sessions
+        if sessions is None:
+            return self._transfer(version, deadline)
+        sessions.refit_started(version, deadline.remaining_s())
+        try:
+            result = self._transfer(version, deadline)
+        except BaseException:
+            try:
+                sessions.refit_finished(version, committed=False)
+            except Exception:
+                logger.warning("ipc: closing the workers' sessions failed", exc_info=True)
+            raise
+        sessions.refit_finished(version, committed=True)
+        return result
+
+    def _transfer(self, version: int, deadline: Deadline) -> RefitResult:
         links, pool = self._links, self._pool
         assert links is not None and pool is not None
         if links.broken:

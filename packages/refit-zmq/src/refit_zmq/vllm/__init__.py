@@ -1,33 +1,51 @@
-"""refit-zmq inside vLLM: the sparse relay receiver as a vLLM weight-transfer engine.
+"""refit-zmq inside vLLM: the sparse relay receiver and the colocated IPC receiver, each a vLLM
+weight-transfer engine.
 
-Start each engine with :func:`engine_args`, then::
+Start each engine with :func:`engine_args` for the transport, then hand the engines to the
+synchronizer through the matching generation::
 
+    llm = LLM(model=path, **engine_args("zmq_sparse"))
     generation = VllmRelayGeneration([llm])  # starts a relay in each worker
     sync = create_weight_synchronizer(trainer, generation, "vllm", False, train_cluster,
                                       inference_cluster, transport="zmq_sparse")
 
-Importing this package does not import vLLM; :mod:`refit_zmq.vllm.engine` (built by vLLM in
-each worker) does.
+    llm = LLM(model=path, **engine_args("ipc"))
+    sync = create_weight_synchronizer(trainer, VllmIpcGeneration([llm]), "vllm", True)
+
+Importing this package does not import vLLM; the engine modules (built by vLLM in each
+worker) do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from refit_zmq.vllm.generation import VllmRelayGeneration
+from refit_zmq.vllm.ipc_generation import VllmIpcGeneration
+from refit_zmq.vllm.relay_generation import VllmRelayGeneration
 
-__all__ = ["BACKEND", "WORKER_EXTENSION", "VllmRelayGeneration", "engine_args"]
+__all__ = [
+    "BACKENDS",
+    "WORKER_EXTENSION",
+    "VllmIpcGeneration",
+    "VllmRelayGeneration",
+    "engine_args",
+]
 
-BACKEND = "refit_zmq_sparse"
-"""The weight-transfer backend name refit-zmq's sparse receiver registers with vLLM."""
+BACKENDS = {
+    "zmq_sparse": ("refit_zmq_sparse", "refit_zmq.vllm.relay_engine", "VllmRelayReceiver"),
+    "ipc": ("refit_zmq_ipc", "refit_zmq.vllm.ipc_engine", "VllmIpcReceiver"),
+}
+"""Transport -> (weight-transfer backend name, module, class) refit-zmq registers with vLLM."""
 
 WORKER_EXTENSION = "refit_zmq.vllm.worker.ZmqWorkerExtension"
 """The worker extension that reports a receiver's address (``worker_extension_cls``)."""
 
 
-def engine_args() -> dict[str, Any]:
-    """The ``vllm.LLM`` / ``EngineArgs`` keywords that install refit-zmq's sparse receiver."""
+def engine_args(transport: Literal["zmq_sparse", "ipc"] = "zmq_sparse") -> dict[str, Any]:
+    """The ``vllm.LLM`` / ``EngineArgs`` keywords that install refit-zmq's receiver for
+    ``transport`` (an engine takes one)."""
+    backend, _, _ = BACKENDS[transport]
     return {
-        "weight_transfer_config": {"backend": BACKEND},
+        "weight_transfer_config": {"backend": backend},
         "worker_extension_cls": WORKER_EXTENSION,
     }

@@ -1,7 +1,7 @@
-"""The ``vllm.general_plugins`` entry point: registers refit-zmq's receiver with vLLM.
+"""The ``vllm.general_plugins`` entry point: registers refit-zmq's receivers with vLLM.
 
 vLLM runs general plugins in every process it starts (engine core and workers) before the
-model loads, so the backend name resolves wherever the worker builds its engine.
+model loads, so the backend names resolve wherever the worker builds its engine.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register :class:`~refit_zmq.vllm.engine.VllmRelayReceiver` (lazily imported)."""
+    """Register the sparse relay and IPC receivers (each imported lazily, on first use)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from refit_zmq.vllm import BACKEND
+    from refit_zmq.vllm import BACKENDS
 
-    try:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "refit_zmq.vllm.engine", "VllmRelayReceiver"
-        )
-    except ValueError:
-        logger.debug("weight transfer engine %s already registered", BACKEND)
+    for name, module, cls in BACKENDS.values():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:
+            logger.debug("weight transfer engine %s already registered", name)

@@ -1,7 +1,8 @@
-"""The checkpoint-format tensors a vLLM engine accepts, read from its safetensors headers.
+"""The checkpoint-format tensors an engine accepts, read from its safetensors headers.
 
 A safetensors file starts with the little-endian length of a JSON header that names every
-tensor's dtype and shape; only that header is read.
+tensor's dtype and shape; only that header is read (stdlib only). Receivers inside vLLM use it
+to check a trainer's state against the engine's checkpoint before any byte moves.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from refit_core import GeometryMismatchError
+from refit_core.errors import GeometryMismatchError
 
 __all__ = ["checkpoint_specs"]
 

@@ -1,13 +1,13 @@
 """The sparse relay receiver inside a vLLM worker, as a vLLM weight-transfer engine.
 
-Registered with ``WeightTransferEngineFactory`` under :data:`~refit_zmq.vllm.BACKEND` by the
-``vllm.general_plugins`` entry point of refit-zmq. ``init_weight_transfer_engine`` starts an
-:class:`~refit_zmq.sparse.EngineRelay` whose receiver applies deltas, transactionally, to a
-:class:`~refit_zmq.vllm.shadow.ShadowWeights` copy; the model is untouched until the
-controller, after the relays committed, runs vLLM's update session
-(``start_weight_update`` -> ``update_weights({"version": v})`` -> ``finish_weight_update``),
-which pushes the changed layers through layerwise reload on the worker's own thread. A
-rolled-back transfer never reaches the model.
+Registered with ``WeightTransferEngineFactory`` as ``refit_zmq_sparse`` by refit-zmq's
+``vllm.general_plugins`` entry point (:data:`~refit_zmq.vllm.BACKENDS`).
+``init_weight_transfer_engine`` starts an :class:`~refit_zmq.sparse.EngineRelay` whose
+receiver applies deltas, transactionally, to a :class:`~refit_zmq.vllm.shadow.ShadowWeights`
+copy; the model is untouched until the controller, after the relays committed, runs vLLM's
+update session (``start_weight_update`` -> ``update_weights({"version": v})`` ->
+``finish_weight_update``), which pushes the changed layers through layerwise reload on the
+worker's own thread. A rolled-back transfer never reaches the model.
 """
 
 from __future__ import annotations
