@@ -1,0 +1,24 @@
+"""Importing refit's transport packages, their vLLM integration included, never imports vLLM
+(only vLLM's workers load the receivers). Run where vLLM is installed, so it can fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_refit_vllm_modules_do_not_import_vllm() -> None:
+    script = (
+        "import json, sys\n"
+        "import refit_nccl, refit_nccl.vllm, refit_zmq, refit_zmq.vllm, refit_zmq.sparse\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
