@@ -11,11 +11,11 @@ import torch
 
 from refit_core.cli import main
 from refit_lab.demo.report import DemoReport, RefitRecord
-from refit_lab.demo.settings import MODELS, DemoSettings
+from refit_lab.demo.settings import DemoSettings
 from refit_lab.demo.training import DemoTrainer, TrainingConfig
 from refit_lab.reference_engine import ReferenceEngine
 
-TINY = MODELS["tiny"]
+TINY = DemoSettings(model="tiny").model_config
 
 
 @pytest.mark.parametrize(

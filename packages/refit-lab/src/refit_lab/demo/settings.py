@@ -1,12 +1,17 @@
-"""What a demo run does: transport, fleet size, steps, model preset, fault."""
+"""What a demo run does: transport, fleet size, steps, model preset, fault.
+
+Imports nothing heavy: ``refit --help`` loads it through the CLI's entry points.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
-from refit_lab.reference_engine import ReferenceModelConfig
+if TYPE_CHECKING:
+    from refit_lab.reference_engine import ReferenceModelConfig
 
-__all__ = ["FAULTS", "MODELS", "TRANSPORTS", "DemoSettings"]
+__all__ = ["FAULTS", "MODELS", "TRANSPORTS", "DemoSettings", "ModelShape"]
 
 TRANSPORTS: tuple[str, ...] = ("zmq_sparse", "collective", "ipc")
 """Transports the demo drives (factory rows of the vLLM backend; ``ipc`` is colocated)."""
@@ -18,21 +23,28 @@ FAULTS: dict[str, frozenset[str]] = {
 }
 """Fault name -> transports it applies to."""
 
-MODELS: dict[str, ReferenceModelConfig] = {
-    "tiny": ReferenceModelConfig(
-        vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        intermediate_size=128,
-    ),
-    "small": ReferenceModelConfig(
-        vocab_size=1024, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-        intermediate_size=768,
-    ),
-    "medium": ReferenceModelConfig(
-        vocab_size=4096, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-        intermediate_size=1536,
-    ),
+
+class ModelShape(TypedDict):
+    """The shape fields of a ``ReferenceModelConfig``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+
+MODELS: dict[str, ModelShape] = {
+    "tiny": ModelShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=128),
+    "small": ModelShape(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=8,
+                        num_kv_heads=4, intermediate_size=768),
+    "medium": ModelShape(vocab_size=4096, hidden_size=512, num_layers=6, num_heads=8,
+                         num_kv_heads=4, intermediate_size=1536),
 }  # fmt: skip
-"""Model presets: tiny (0.1 M parameters), small (3.7 M), medium (23 M)."""
+"""Model presets (``ReferenceModelConfig`` fields): tiny (0.1 M parameters), small (3.7 M),
+medium (23 M)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,9 @@ class DemoSettings:
     @property
     def model_config(self) -> ReferenceModelConfig:
         """The model preset."""
-        return MODELS[self.model]
+        from refit_lab.reference_engine import ReferenceModelConfig
+
+        return ReferenceModelConfig(**MODELS[self.model])
 
     @property
     def faulted_step(self) -> int | None:
