@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from refit_core.errors import ChecksumMismatchError, ProtocolError
 from refit_core.types import TensorSpec, WeightVersion
@@ -49,6 +50,13 @@ def test_frames_and_joined_bytes_decode_alike() -> None:
     from_frames = decode_payload(list(payload.frames))
     from_bytes = decode_payload(payload.to_bytes())
     assert [i.header for i in from_frames.items] == [i.header for i in from_bytes.items]
+
+
+def test_checksum_is_the_xxh3_128_of_every_other_byte() -> None:
+    data = _payload().to_bytes()
+    want = xxhash.xxh3_128(data[:12] + data[28:]).hexdigest()
+    assert _payload().checksum == want
+    assert data[12:28].hex() == want
 
 
 def test_bad_magic_is_a_protocol_error() -> None:

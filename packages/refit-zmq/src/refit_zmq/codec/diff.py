@@ -1,83 +1,120 @@
 """The change-detection kernel: which elements of a baseline range differ from the new bits.
 
-A range is scanned in cache-sized chunks, each compared as 64-bit words (four bf16 or two
-fp32 elements per compare), which makes the compare and the nonzero scan four or two times
-shorter than per element; only the few changed words are then split into elements. The kernel
-only reads; everything is numpy on unsigned views, which releases the GIL, so ranges run in
-parallel on a thread pool.
+One compiled pass (numba, no GIL) reads both ranges once as words (64-bit where aligned, so
+four bf16 or two fp32 elements per compare), tests a cache line at a time with the OR of its
+word XORs, and only inside a dirty line compares elements, appending each changed element's
+index and new bits. Measured on the bench's full state at 1% changed, two threads, against
+torch's memcpy of the same bytes in the same run: this pass 0.72-0.83x; the best numpy
+pipeline (compare into a mask, nonzero, gather, refine) 0.45-0.53x, a quarter of it in
+``nonzero`` and most of the rest in memory stalls between its passes.
+
+A range is processed in chunks so the outputs go to per-thread scratch of bounded size; the
+kernel only reads the inputs.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
+import numba
 import numpy as np
 
-from refit_zmq.codec.dtypes import unsigned_numpy_dtype
-
 __all__ = ["diff_range"]
+
+_LINE_WORDS = 8
+"""Words tested together: one 64-byte cache line of 64-bit words."""
 
 _local = threading.local()
 
 
-def _mask(size: int) -> np.ndarray:
-    """A per-thread scratch bool buffer (allocated once, so no page faults per chunk)."""
-    mask: np.ndarray | None = getattr(_local, "mask", None)
-    if mask is None or mask.size < size:
-        mask = _local.mask = np.empty(size, dtype=np.bool_)
-    return mask[:size]
-
-
-def _diff_chunk(
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _refine(
     base: np.ndarray,
     new: np.ndarray,
-    mask: np.ndarray,
-    element: np.dtype[Any],
+    base_el: np.ndarray,
+    new_el: np.ndarray,
     per: int,
-    start: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    np.not_equal(base, new, out=mask)
-    words = mask.nonzero()[0]
-    if per == 1:
-        values = new[words]
-        words += start
-        return words, values
-    new_elems = new[words].view(element)
-    lanes = np.not_equal(base[words].view(element), new_elems).nonzero()[0]
-    shift = per.bit_length() - 1
-    indices = words[lanes >> shift]
-    indices += start
-    indices <<= shift
-    indices |= lanes & (per - 1)
-    return indices, new_elems[lanes]
+    lo: int,
+    hi: int,
+    indices: np.ndarray,
+    values: np.ndarray,
+    count: int,
+) -> int:  # pragma: no cover - compiled
+    """Append the changed elements of words ``[lo, hi)``; return the new count."""
+    for i in range(lo, hi):
+        if base[i] != new[i]:
+            for j in range(i * per, (i + 1) * per):
+                if base_el[j] != new_el[j]:
+                    indices[count] = j
+                    values[count] = new_el[j]
+                    count += 1
+    return count
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _collect(
+    base: np.ndarray,
+    new: np.ndarray,
+    base_el: np.ndarray,
+    new_el: np.ndarray,
+    per: int,
+    indices: np.ndarray,
+    values: np.ndarray,
+) -> int:  # pragma: no cover - compiled; exercised through diff_range
+    count = 0
+    lines = base.size // _LINE_WORDS
+    for line in range(lines):
+        at = line * _LINE_WORDS
+        dirty = base[at] ^ new[at]
+        for i in range(at + 1, at + _LINE_WORDS):
+            dirty |= base[i] ^ new[i]
+        if dirty:
+            end = at + _LINE_WORDS
+            count = _refine(base, new, base_el, new_el, per, at, end, indices, values, count)
+    at = lines * _LINE_WORDS
+    return _refine(base, new, base_el, new_el, per, at, base.size, indices, values, count)
+
+
+def _scratch(elements: int, element: np.dtype[np.unsignedinteger]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread output buffers of at least ``elements`` entries (reused, grown when short)."""
+    cached: dict[int, tuple[np.ndarray, np.ndarray]] = getattr(_local, "scratch", {})
+    _local.scratch = cached
+    held = cached.get(element.itemsize)
+    if held is None or held[0].size < elements:
+        held = cached[element.itemsize] = (
+            np.empty(elements, dtype=np.int64),
+            np.empty(elements, dtype=element),
+        )
+    return held
 
 
 def diff_range(
-    base: np.ndarray, new: np.ndarray, *, per: int, start: int, chunk_words: int
+    base: np.ndarray,
+    new: np.ndarray,
+    *,
+    element: np.dtype[np.unsignedinteger],
+    start: int,
+    chunk_words: int,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Indices and new bits of the elements where ``new`` differs from ``base``, per chunk.
 
     Args:
         base: baseline words (unsigned; read only).
         new: new words, same dtype and size.
-        per: elements per word, a power of two (1 when the words are the elements).
+        element: the unsigned dtype of the elements; words hold a whole number of them.
         start: index of ``base[0]`` among its unit's words (indices are unit-relative).
-        chunk_words: words compared per step (cache-sized).
+        chunk_words: words compared per call of the kernel (bounds the scratch).
 
     Returns:
-        Per chunk, in order: int64 element indices (ascending) and the new bits there.
+        Per chunk with changes, in order: int64 element indices (ascending) and the new bits.
     """
-    element = unsigned_numpy_dtype(base.itemsize // per)
-    mask = _mask(min(chunk_words, base.size))
-    return [
-        _diff_chunk(
-            base[a : a + chunk_words],
-            new[a : a + chunk_words],
-            mask[: min(chunk_words, base.size - a)],
-            element,
-            per,
-            start + a,
-        )
-        for a in range(0, base.size, chunk_words)
-    ]
+    per = base.itemsize // element.itemsize
+    indices, values = _scratch(min(chunk_words, base.size) * per, element)
+    parts = []
+    for a in range(0, base.size, chunk_words):
+        b, n = base[a : a + chunk_words], new[a : a + chunk_words]
+        count = _collect(b, n, b.view(element), n.view(element), per, indices, values)
+        if count:
+            found = indices[:count] + (start + a) * per
+            parts.append((found, values[:count].copy()))
+    return parts

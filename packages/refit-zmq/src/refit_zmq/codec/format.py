@@ -233,6 +233,12 @@ class DeltaPayload:
         return sum(memoryview(f).nbytes for f in self.frames)
 
     @property
+    def checksum(self) -> str:
+        """The xxh3-128 carried in the prelude, as 32 hex digits (what names the payload)."""
+        head = memoryview(self.frames[0]).cast("B")
+        return bytes(head[_CHECKSUM_AT : _PRELUDE.size]).hex()
+
+    @property
     def dense_bytes(self) -> int:
         """Bytes of the dense spans this payload represents."""
         return sum(item.span_len * item.itemsize for item in self.items)

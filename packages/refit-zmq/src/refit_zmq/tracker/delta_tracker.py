@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Self
@@ -204,7 +204,7 @@ class DeltaCompressionTracker:
         target: WeightVersion,
         *,
         resync: bool = False,
-    ) -> Iterator[DeltaPayload]:
+    ) -> Generator[DeltaPayload, None, None]:
         """Payloads that bring receivers from the committed version to ``target``.
 
         Consume the iterator fully, then ``commit()`` or ``abort()``. An error while encoding
@@ -226,7 +226,7 @@ class DeltaCompressionTracker:
         tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor],
         pending: _Pending,
         dense: bool,
-    ) -> Iterator[DeltaPayload]:
+    ) -> Generator[DeltaPayload, None, None]:
         has_baseline = self._version is not None
         limit = self.config.bucket_size_bytes
         encoder: BucketEncoder | None = None

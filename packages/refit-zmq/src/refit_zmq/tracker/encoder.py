@@ -177,10 +177,15 @@ class BucketEncoder:
             ]
         else:
             base_words = _words(slot, width)
-            per = width // itemsize
+            element = unsigned_numpy_dtype(itemsize)
             jobs = [
                 self._pool.submit(
-                    diff_range, base_words[a:b], new_words[a:b], per=per, start=a, chunk_words=chunk
+                    diff_range,
+                    base_words[a:b],
+                    new_words[a:b],
+                    element=element,
+                    start=a,
+                    chunk_words=chunk,
                 )
                 for a, b in self._ranges(new_words.size, chunk)
             ]
