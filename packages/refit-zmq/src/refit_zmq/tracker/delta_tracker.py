@@ -176,7 +176,7 @@ class DeltaCompressionTracker:
     ) -> None:
         """Adopt ``tensors`` as the committed bits of ``version`` (receivers already hold them)."""
         self._require_idle()
-        encoder = self._encoder(version, dense=True, has_baseline=False)
+        encoder = self._encoder(version, dense=True, has_baseline=False, code=False)
         self._version = None
         try:
             for item, new in self._owned(tensors):
@@ -186,7 +186,9 @@ class DeltaCompressionTracker:
         self._version = version
         logger.info("baseline loaded at version %d (%d bytes)", version.value, self._store.nbytes)
 
-    def _encoder(self, target: WeightVersion, *, dense: bool, has_baseline: bool) -> BucketEncoder:
+    def _encoder(
+        self, target: WeightVersion, *, dense: bool, has_baseline: bool, code: bool = True
+    ) -> BucketEncoder:
         return BucketEncoder(
             self._pool,
             threads=self.config.threads,
@@ -196,6 +198,7 @@ class DeltaCompressionTracker:
             dense=dense,
             has_baseline=has_baseline,
             compress=self.config.compress,
+            code=code,
         )
 
     def encode(

@@ -2,16 +2,19 @@
 
 Each item's bits are cut into at most one range per worker thread; every range is compared
 with the item's baseline slot (or, for a dense resync, copied) as soon as the item is added,
-so the work overlaps with the producer of the next tensor. :meth:`BucketEncoder.finish` then
-picks each item's location encoding, codes its buffers (shuffle and zstd where they pay) in
-parallel, and assembles the checksummed payload together with the writes that bring the
-baseline to the new version on commit.
+so the work overlaps with the producer of the next tensor. When an item's last range is
+done, a coding job picks its location encoding and codes its buffers (shuffle and zstd where
+they pay), overlapping the comparison of later items without a worker waiting on another;
+:meth:`BucketEncoder.finish` assembles the checksummed payload together with the writes that
+bring the baseline to the new version on commit.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -101,6 +104,15 @@ def _word_width(slot: np.ndarray, new: np.ndarray, itemsize: int) -> int:
     return _WORD if aligned and slot.nbytes % _WORD == 0 else itemsize
 
 
+def _relay(target: Future[_Coded], source: Future[_Coded]) -> None:
+    """Give ``target`` the outcome of ``source``."""
+    exc = source.exception()
+    if exc is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(exc)
+
+
 def _copy(dest: np.ndarray, new: np.ndarray) -> Parts:
     np.copyto(dest, new)
     return None
@@ -120,6 +132,7 @@ class BucketEncoder:
             set) the new bits are copied straight into the slots, which is also how a
             baseline is loaded.
         compress: allow zstd on buffers.
+        code: code each item into payload buffers (False when only loading a baseline).
     """
 
     def __init__(
@@ -133,6 +146,7 @@ class BucketEncoder:
         dense: bool,
         has_baseline: bool,
         compress: bool,
+        code: bool = True,
     ) -> None:
         if not (dense or has_baseline):
             raise ValueError("without a baseline only a dense resync can be encoded")
@@ -144,7 +158,10 @@ class BucketEncoder:
         self._dense = dense
         self._has_baseline = has_baseline
         self._compress = compress
+        self._code_items = code
         self._units: list[_Unit] = []
+        self._coded: list[Future[_Coded]] = []
+        self._lock = threading.Lock()
         self.nbytes = 0
 
     def __bool__(self) -> bool:
@@ -189,7 +206,10 @@ class BucketEncoder:
                 )
                 for a, b in self._ranges(new_words.size, chunk)
             ]
-        self._units.append(_Unit(item, slot, new, dest, jobs))
+        unit = _Unit(item, slot, new, dest, jobs)
+        self._units.append(unit)
+        if self._code_items:
+            self._coded.append(self._code_when_compared(unit))
         self.nbytes += item.nbytes
 
     def _plan(
@@ -209,8 +229,31 @@ class BucketEncoder:
         carried = unit.new.view(elements)[plan.first : plan.first + plan.count]
         return plan, [carried.copy()]
 
-    def _code(self, unit: _Unit, parts: list[tuple[np.ndarray, np.ndarray]]) -> _Coded:
+    def _code_when_compared(self, unit: _Unit) -> Future[_Coded]:
+        """The unit's coding, submitted by whichever of its range jobs completes last."""
+        coded: Future[_Coded] = Future()
+        remaining = max(1, len(unit.jobs))
+
+        def range_done(_: object = None) -> None:
+            nonlocal remaining
+            with self._lock:
+                remaining -= 1
+                if remaining > 0:
+                    return
+            try:
+                self._pool.submit(self._code, unit).add_done_callback(partial(_relay, coded))
+            except BaseException as exc:  # the pool was shut down: fail, never hang
+                coded.set_exception(exc)
+
+        if not unit.jobs:
+            range_done()
+        for job in unit.jobs:
+            job.add_done_callback(range_done)
+        return coded
+
+    def _code(self, unit: _Unit) -> _Coded:
         item = unit.item
+        parts = [chunk for job in unit.jobs for chunk in job.result() or ()]
         plan, arrays = self._plan(unit, parts)
         header = ItemHeader(
             name=item.name,
@@ -233,22 +276,17 @@ class BucketEncoder:
             write = PendingWrite(slot, header, arrays[0] if len(arrays) == 2 else None, arrays[-1])
         return _Coded(header, buffers, changed, write)
 
-    @staticmethod
-    def _parts(unit: _Unit) -> list[tuple[np.ndarray, np.ndarray]]:
-        return [chunk for job in unit.jobs for chunk in job.result() or ()]
-
     def settle(self) -> None:
         """Wait for every job (before abandoning the bucket)."""
         for unit in self._units:
             for job in unit.jobs:
                 job.exception()
+        for coded in self._coded:
+            coded.exception()
 
     def finish(self) -> EncodedBucket:
-        """Wait for the comparisons, code every item and build the payload."""
-        coded_jobs = [
-            self._pool.submit(self._code, unit, self._parts(unit)) for unit in self._units
-        ]
-        coded = [job.result() for job in coded_jobs]
+        """Wait for every item's coding and build the payload."""
+        coded = [job.result() for job in self._coded]
         payload = build_payload(
             [c.header for c in coded],
             [buffer for c in coded for buffer in c.buffers],
