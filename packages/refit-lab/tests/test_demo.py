@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -117,3 +118,26 @@ def test_demo_survives_a_killed_worker_on_the_collective(tmp_path: Path) -> None
     assert isinstance(steps, list)
     assert [s["outcome"] for s in steps] == ["committed", "aborted", "committed", "committed"]
     assert all(s["verified"] for s in steps)
+
+
+def test_engine_vllm_without_vllm_exits_2_saying_how_to_run_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: the engine tier runs the demo on it")
+    assert main(["demo", "--engine", "vllm", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine vllm needs vLLM" in err and "scripts/demo-vllm" in err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"engine": "tgi"}, "engine must be one of"),
+        ({"engine": "vllm", "model": "tiny"}, "head_dim 16"),
+        ({"engine": "vllm", "fault": "kill-worker"}, "needs the reference engine"),
+    ],
+)
+def test_bad_vllm_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DemoSettings(**kwargs)  # type: ignore[arg-type]

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from refit_lab.demo.settings import FAULTS, MODELS, TRANSPORTS, DemoSettings
+from refit_lab.demo.settings import ENGINES, FAULTS, MODELS, TRANSPORTS, DemoSettings
 
 __all__ = ["register", "run_command"]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = DemoSettings()
+_VLLM_WORKERS = 2  # each vLLM engine takes ~30 s to start on a CPU host
+NO_VLLM = (
+    "--engine vllm needs vLLM, which is not importable in this environment; run "
+    "scripts/demo-vllm [OPTIONS] instead (it builds the engine venv .venv-engine the way "
+    "scripts/test-engine does and runs `refit demo --engine vllm` from it)"
+)
+"""What ``refit demo --engine vllm`` says where vLLM is missing (exit status 2)."""
 
 
 class _BarProgress:
@@ -45,14 +53,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--transport", choices=TRANSPORTS, default=_DEFAULTS.transport)
-    parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, metavar="N")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help=f"inference workers (default {_DEFAULTS.workers}; {_VLLM_WORKERS} with --engine vllm)",
+    )
     parser.add_argument("--steps", type=int, default=_DEFAULTS.steps, metavar="K")
     parser.add_argument("--model", choices=sorted(MODELS), default=_DEFAULTS.model)
     parser.add_argument(
         "--engine",
-        choices=("reference",),
+        choices=ENGINES,
         default="reference",
-        help="inference engine of the workers (reference: refit-lab's CPU engine)",
+        help=(
+            "inference engine of the workers. reference: refit-lab's CPU engine in Ray "
+            "actors, verified bitwise and against the trainer's greedy tokens. vllm: real vLLM "
+            "engines in this process, no Ray (needs vLLM: scripts/demo-vllm); --model small or "
+            "medium, no --fault; each refit checks the served version, the engines' tokens "
+            "agreeing and (zmq_sparse) the receiver's checkpoint-format bits; at the end a "
+            "fresh vLLM engine on the final weights must generate every engine's tokens"
+        ),
     )
     parser.add_argument("--fault", choices=sorted(FAULTS), help="inject into one refit")
     parser.add_argument("--fault-step", type=int, metavar="S", help="default: the middle step")
@@ -66,16 +86,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_command(args: argparse.Namespace) -> int:
     """Handler of ``refit demo``: 0 when every refit verified, 1 otherwise, 2 on bad arguments."""
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        sys.stderr.write(f"refit demo: {NO_VLLM}\n")
+        return 2
+    workers = args.workers
+    if workers is None:
+        workers = _VLLM_WORKERS if args.engine == "vllm" else _DEFAULTS.workers
     try:
         settings = DemoSettings(
             transport=args.transport,
-            workers=args.workers,
+            workers=workers,
             steps=args.steps,
             model=args.model,
             fault=args.fault,
             fault_step=args.fault_step,
             timeout_s=args.timeout,
             lr=args.lr,
+            engine=args.engine,
         )
     except ValueError as exc:
         logger.error("%s", exc)

@@ -1,8 +1,9 @@
 """Run the demo: train, refit the fleet after every step, verify, and inject one fault.
 
 Each refit goes through ``create_weight_synchronizer`` exactly as a framework would call it;
-the demo then checks every live worker against the trainer (bitwise digests, served
-version, greedy tokens from the trainer's own forward pass).
+the demo then checks every live worker against the trainer (bitwise digests where the
+workers expose them, served version, greedy tokens from the trainer's own forward pass).
+The workers are reference engines in Ray actors, or real vLLM engines in this process.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -20,11 +23,14 @@ from refit_core import RefitError, WeightSynchronizer, create_weight_synchronize
 from refit_lab.demo.report import DemoReport, RefitRecord
 from refit_lab.demo.settings import DemoSettings
 from refit_lab.demo.training import DemoTrainer, TrainingConfig
-from refit_lab.demo.workers import DemoFleet
 from refit_lab.digest import state_digest
 from refit_lab.faults import kill
 from refit_lab.ray_cluster import LocalCluster, local_ray
 from refit_lab.zmq_faults import CorruptingRelayProxy
+
+if TYPE_CHECKING:
+    from refit_lab.demo.vllm_fleet import VllmFleet
+    from refit_lab.demo.workers import DemoFleet
 
 __all__ = ["STAGES", "Progress", "ProgressFactory", "run_demo"]
 
@@ -53,6 +59,22 @@ ProgressFactory = Callable[[str, int], Progress]
 """``(description, total stages) -> Progress``."""
 
 
+class Fleet(Protocol):
+    """The workers, as the demo verifies them (``DemoFleet`` or ``VllmFleet``)."""
+
+    exposes_bits: bool
+    """Whether ``state_digests`` reports checkpoint-format digests of what is served."""
+
+    @property
+    def live(self) -> list[int]:
+        """Indices of the workers still alive."""
+        ...
+
+    def call(self, method: str, *args: Any) -> dict[int, Any]:
+        """``method(*args)`` on every live worker; index -> result."""
+        ...
+
+
 class _LogProgress:
     def __init__(self, description: str, total: int) -> None:
         self._description = description
@@ -75,7 +97,7 @@ def _changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 class _Demo:
     settings: DemoSettings
     trainer: DemoTrainer
-    fleet: DemoFleet
+    fleet: Fleet
     synchronizer: WeightSynchronizer
     progress: ProgressFactory
     report: DemoReport
@@ -98,6 +120,28 @@ class _Demo:
                     committed = state
             finally:
                 bar.close()
+        if self.settings.engine == "vllm":
+            self._check_fresh_engine(committed)
+
+    def _check_fresh_engine(self, committed: dict[str, torch.Tensor]) -> None:
+        """vLLM's oracle: every engine's tokens now equal a fresh engine's on ``committed``
+        (folded into the last record)."""
+        fleet = cast("VllmFleet", self.fleet)
+        prompts = self.trainer.prompts(self.settings.prompts, 8)
+        wanted = fleet.fresh_tokens(committed, prompts, self.settings.new_tokens)
+        tokens = fleet.call("generate", prompts, self.settings.new_tokens)
+        differ = sorted(i for i, t in tokens.items() if t != wanted)
+        last = self.report.records[-1]
+        note = (
+            f"engines {differ} differ from a fresh vLLM engine on the final weights"
+            if differ
+            else "tokens equal a fresh vLLM engine's on the final weights"
+        )
+        self.report.records[-1] = replace(
+            last,
+            verified=last.verified and not differ,
+            detail="; ".join(d for d in (last.detail, note) if d),
+        )
 
     def _refit(
         self,
@@ -129,14 +173,17 @@ class _Demo:
         refit_s = time.monotonic() - started
         bar.advance("refit")
         expected = state_digest(state.items())
-        digests = self.fleet.call("state_digests")
+        digests = self.fleet.call("state_digests") if self.fleet.exposes_bits else {}
         versions = self.fleet.call("served_version")
         bits_ok = all(d == expected for d in digests.values())
         versions_ok = all(v == result.version for v in versions.values())
         bar.advance("verify bits")
         prompts = self.trainer.prompts(self.settings.prompts, 8)
-        wanted = self.trainer.greedy(prompts, self.settings.new_tokens)
         tokens = self.fleet.call("generate", prompts, self.settings.new_tokens)
+        if self.settings.engine == "vllm":  # the engines agree; a fresh engine checks at the end
+            wanted = tokens[self.fleet.live[0]]
+        else:
+            wanted = self.trainer.greedy(prompts, self.settings.new_tokens)
         tokens_ok = all(t == wanted for t in tokens.values())
         bar.advance("verify tokens")
         problems = [
@@ -147,6 +194,7 @@ class _Demo:
             f"workers {sorted(i for i, t in tokens.items() if t != wanted)} generate other tokens"
             if not tokens_ok
             else "",
+            "" if self.fleet.exposes_bits else "bits not exposed (checked: version, tokens)",
         ]
         return RefitRecord(
             step,
@@ -165,8 +213,9 @@ class _Demo:
     ) -> RefitRecord:
         fault = self.settings.fault
         assert fault is not None
+        fleet = self._reference_fleet()
         before_versions = self.fleet.call("served_version")
-        victim = 0 if fault == "corrupt" else self.fleet.live[-1]
+        victim = 0 if fault == "corrupt" else fleet.live[-1]
         with self._injected(fault, victim):
             started = time.monotonic()
             try:
@@ -198,13 +247,19 @@ class _Demo:
             step, outcome, changed, 0, 0, elapsed, not failed, loss, fault, detail[:400]
         )
 
+    def _reference_fleet(self) -> DemoFleet:
+        """The fleet, where faults are injected (settings allow them on reference engines only)."""
+        if self.settings.engine != "reference":
+            raise RuntimeError("faults are injected into reference engines only")
+        return cast("DemoFleet", self.fleet)
+
     @contextmanager
     def _injected(self, fault: str, victim: int) -> Iterator[None]:
         if fault == "kill-worker":
-            kill(self.fleet.pids[victim])
-            self.fleet.mark_dead(victim)
+            kill(self._reference_fleet().pids[victim])
+            self._reference_fleet().mark_dead(victim)
         elif fault == "kill-relay":
-            self.fleet.call_one(victim, "stop_relay")
+            self._reference_fleet().call_one(victim, "stop_relay")
         else:
             self._proxy().arm()
         yield
@@ -218,34 +273,24 @@ class _Demo:
         if fault == "kill-worker":
             self.synchronizer.reconcile_communicator({victim})
         elif fault == "kill-relay":
-            self.fleet.restart_relay(victim, self.settings.timeout_s)
+            self._reference_fleet().restart_relay(victim, self.settings.timeout_s)
             self.synchronizer.reconcile_communicator(())
         elif self.synchronizer.is_stale():
             self.synchronizer.reconcile_communicator(())
 
 
 def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -> DemoReport:
-    """Start Ray and the fleet, run every step with its refit, tear everything down."""
+    """Start the trainer and the fleet, run every step with its refit, tear everything down."""
     report = DemoReport(settings.transport, settings.workers)
     with ExitStack() as stack:
-        stack.enter_context(
-            local_ray(settings.workers + 1, object_store_memory=128 * _MiB, log_to_driver=False)
-        )
         trainer = DemoTrainer(settings.model_config, TrainingConfig(lr=settings.lr))
-        fleet = DemoFleet(settings.model_config, settings.workers, trainer.training.checkpoint_seed)
-        stack.callback(fleet.close)
-        proxy = None
-        if settings.transport == "zmq_sparse":
-            fleet.start_relays(settings.timeout_s)
-        elif settings.transport == "ipc":
-            fleet.start_ipc_receivers()
-        if settings.fault == "corrupt":
-            proxy = CorruptingRelayProxy(fleet.relay_address(0))
-            stack.callback(proxy.close)
-            fleet.route_relay(0, proxy.address)
+        if settings.engine == "vllm":
+            fleet, generation, proxy = _vllm_fleet(settings, trainer, stack)
+        else:
+            fleet, generation, proxy = _reference_fleet(settings, trainer, stack)
         synchronizer = create_weight_synchronizer(
             trainer,
-            fleet,
+            generation,
             "vllm",
             settings.colocated,
             train_cluster=LocalCluster(1),
@@ -256,3 +301,45 @@ def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -
         stack.enter_context(synchronizer)
         _Demo(settings, trainer, fleet, synchronizer, progress, report, proxy).run()
     return report
+
+
+def _reference_fleet(
+    settings: DemoSettings, trainer: DemoTrainer, stack: ExitStack
+) -> tuple[Fleet, Any, CorruptingRelayProxy | None]:
+    """A local Ray cluster and reference-engine workers; the fleet is its own generation."""
+    stack.enter_context(
+        local_ray(settings.workers + 1, object_store_memory=128 * _MiB, log_to_driver=False)
+    )
+    from refit_lab.demo.workers import DemoFleet
+
+    fleet = DemoFleet(settings.model_config, settings.workers, trainer.training.checkpoint_seed)
+    stack.callback(fleet.close)
+    proxy = None
+    if settings.transport == "zmq_sparse":
+        fleet.start_relays(settings.timeout_s)
+    elif settings.transport == "ipc":
+        fleet.start_ipc_receivers()
+    if settings.fault == "corrupt":
+        proxy = CorruptingRelayProxy(fleet.relay_address(0))
+        stack.callback(proxy.close)
+        fleet.route_relay(0, proxy.address)
+    return fleet, fleet, proxy
+
+
+def _vllm_fleet(
+    settings: DemoSettings, trainer: DemoTrainer, stack: ExitStack
+) -> tuple[Fleet, Any, None]:
+    """vLLM engines on the trainer's initial weights, written as a Llama checkpoint."""
+    from refit_lab.demo.vllm_fleet import VllmFleet
+
+    folder = Path(stack.enter_context(TemporaryDirectory(prefix="refit-demo-")))
+    fleet = VllmFleet(
+        settings.model_config,
+        folder,
+        trainer.engine_state(),
+        settings.workers,
+        settings.transport,
+        settings.timeout_s,
+    )
+    stack.callback(fleet.close)
+    return fleet, fleet.generation, None

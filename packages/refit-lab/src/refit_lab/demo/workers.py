@@ -82,6 +82,9 @@ class DemoFleet:
     index (and its last relay address), so shard numbers never shift.
     """
 
+    exposes_bits = True
+    """Reference engines hold checkpoint-format weights: ``state_digests`` is bitwise."""
+
     def __init__(self, config: ReferenceModelConfig, workers: int, checkpoint_seed: int) -> None:
         remote = ray.remote(DemoWorker).options(**_ACTOR_OPTIONS)
         self.workers: dict[int, Any] = {
