@@ -93,7 +93,7 @@ def test_bucket_memory_released(deployment: StandInDeployment) -> None:
     before = _shared_files()
     deployment.trainer.step()
     result = deployment.synchronizer.sync_weights()
-    buffers = deployment.synchronizer.buffers  # type: ignore[attr-defined]
+    buffers = deployment.synchronizer.source.buffers  # type: ignore[attr-defined]
     assert buffers.live_bytes == 0
     assert 0 < buffers.peak_bytes <= 64 * KiB < result.dense_bytes
     assert _shared_files() <= before
@@ -107,7 +107,7 @@ def test_generation_continues_after_failed_refit(deployment: StandInDeployment) 
     with pytest.raises(WorkerError, match="update_weights_from_tensor"):
         deployment.synchronizer.sync_weights()
     assert not any(engine.paused for engine in deployment.engines)
-    assert deployment.synchronizer.buffers.live_bytes == 0  # type: ignore[attr-defined]
+    assert deployment.synchronizer.source.buffers.live_bytes == 0  # type: ignore[attr-defined]
 
 
 def test_deadline_names_the_wedged_engine() -> None:

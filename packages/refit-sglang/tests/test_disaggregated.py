@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import warnings
 from collections.abc import Sequence
 
 import pytest
@@ -14,6 +16,7 @@ from refit_lab.faults import ProcessGang
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import CollectiveWeightSynchronizer
+from refit_sglang import HttpClient, SGLangCollectiveSynchronizer
 from sglang_standin import StandInDeployment, StandInSGLang, serve, serve_in_process
 
 pytestmark = pytest.mark.timeout(90)
@@ -71,10 +74,26 @@ def test_calls_and_group_lifecycle() -> None:
         assert [c[1]["rank_offset"] for e in deployment.engines for c in e.calls[:1]] == [1, 2]
         deployment.synchronizer.shutdown()
         for engine in deployment.engines:
-            deadline = time.monotonic() + 10
-            while engine.groups and time.monotonic() < deadline:
-                time.sleep(0.05)
             assert engine.calls[-1][0] == "destroy_weights_update_group" and not engine.groups
+    finally:
+        deployment.close()
+
+
+def test_shutdown_closes_the_clients() -> None:
+    """The builder's HTTP clients are closed by shutdown, and nothing warns of a leak."""
+    deployment = _deploy()
+    try:
+        synchronizer = deployment.synchronizer
+        assert isinstance(synchronizer, SGLangCollectiveSynchronizer)
+        clients = synchronizer.clients
+        assert all(isinstance(c, HttpClient) and not c.closed for c in clients)
+        synchronizer.sync_weights()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            synchronizer.shutdown()
+            gc.collect()
+        assert all(isinstance(c, HttpClient) and c.closed for c in clients)
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     finally:
         deployment.close()
 

@@ -6,7 +6,7 @@ import socket
 
 from refit_core import SynchronizerRequest
 from refit_core.protocols import ClusterLike, PolicyLike
-from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, LocalParticipant
+from refit_nccl import CollectiveOptions, LocalParticipant
 from refit_sglang.client import clients_for
 from refit_sglang.colocated import (
     DEFAULT_BUCKET_SIZE_BYTES,
@@ -14,7 +14,9 @@ from refit_sglang.colocated import (
     ColocatedSGLangSynchronizer,
     require_bounded,
 )
+from refit_sglang.disaggregated import SGLangCollectiveSynchronizer
 from refit_sglang.participants import EngineSettings, sglang_shards
+from refit_sglang.sources import BucketSource
 from refit_sglang.trainer import SGLangPeerTrainer
 
 __all__ = ["build_colocated_synchronizer", "build_disaggregated_synchronizer"]
@@ -32,28 +34,31 @@ def build_colocated_synchronizer(request: SynchronizerRequest) -> ColocatedSGLan
     """The factory's builder for (sglang, colocated, ray_ipc).
 
     ``generation`` is an SGLang server URL, an ``sglang.Engine``-like object, an
-    ``SGLangClient`` or a sequence of these; ``policy`` a ``PolicyLike`` in this process.
+    ``SGLangClient`` or a sequence of these; ``policy`` a ``PolicyLike`` in this process or a
+    ``BucketSource`` (trainer ranks as Ray actors: ``RayTrainerRanks``).
 
     Raises:
         ValueError: a wrong policy or generation, or a deadline with in-process engines.
     """
     size = request.refit_buffer_size_bytes
     options = ColocatedOptions() if size is None else ColocatedOptions(bucket_size_bytes=size)
+    source = request.policy if isinstance(request.policy, BucketSource) else _policy(request)
     return ColocatedSGLangSynchronizer(
-        _policy(request),
+        source,
         clients_for(request.generation),
         refit_timeout_s=request.refit_timeout_s,
         options=options,
     )
 
 
-def build_disaggregated_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
+def build_disaggregated_synchronizer(request: SynchronizerRequest) -> SGLangCollectiveSynchronizer:
     """The factory's builder for (sglang, non-colocated, collective).
 
     Trainer rank 0 (``policy``, in this process) hosts each weight-update group; the engines
     join through ``init_weights_update_group``. ``train_cluster`` gives each group's
     rendezvous; without one the group meets on 127.0.0.1 (engines on this host only).
-    ``refit_timeout_s`` bounds every trainer-side call; refit cannot abort the group inside an
+    The synchronizer closes the engines' clients at shutdown. ``refit_timeout_s`` bounds
+    every trainer-side call; refit cannot abort the group inside an
     SGLang process, so a refit past its deadline names the engines that may be wedged.
 
     Raises:
@@ -74,7 +79,8 @@ def build_disaggregated_synchronizer(request: SynchronizerRequest) -> Collective
         cluster.get_master_address_and_port if isinstance(cluster, ClusterLike) else _loopback
     )
     shards = sglang_shards(clients, settings)
-    return CollectiveWeightSynchronizer(
+    return SGLangCollectiveSynchronizer(
+        clients,
         [LocalParticipant(SGLangPeerTrainer(policy), "trainer 0")],
         lambda: shards,
         rendezvous,

@@ -98,6 +98,11 @@ class HttpClient(SGLangClient):
             raise WorkerError(str(exc), worker=self.label, operation=route) from exc
         _check_reply(self.label, route, response.status_code, _json(response))
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its connections are gone)."""
+        return self._http.is_closed
+
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()

@@ -1,9 +1,10 @@
 """The colocated SGLang synchronizer: flattened buckets handed over as tensor handles.
 
 Each bucket is flattened into a buffer the engine can map (shared memory on CPU, CUDA IPC on
-GPU), passed to every engine's ``update_weights_from_tensor`` with
-``load_format="flattened_bucket"`` (one payload copy per tensor-parallel rank), and released
-as soon as every engine has answered. The last bucket carries the weight version; the cache is
+GPU) by a :class:`~refit_sglang.sources.BucketSource` (one in-process policy, or trainer ranks
+gathering to the engine's first rank through Ray), passed to every engine's
+``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (one payload copy per
+tensor-parallel rank), and released as soon as every engine has answered. The last bucket carries the weight version; the cache is
 flushed before generation continues.
 """
 
@@ -12,14 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 from refit_core import Deadline, RefitResult, WeightSynchronizer, WorkerOutcome
 from refit_core.protocols import PolicyLike
-from refit_sglang.buckets import FlattenedBucket, iter_buckets
 from refit_sglang.client import SGLangClient
-from refit_sglang.handles import SharedBuffers
 from refit_sglang.lifecycle import PauseMode, check_pause_mode, flush_caches, paused
+from refit_sglang.sources import BucketSource, LocalBuckets, Payload
 
 __all__ = ["ColocatedOptions", "ColocatedSGLangSynchronizer", "require_bounded"]
 
@@ -46,7 +47,8 @@ class ColocatedOptions:
         bucket_size_bytes: most bytes per flattened bucket (``refit_buffer_size_gb``).
         pause_mode: how generation pauses around a refit (``abort`` or ``retract``).
         control_timeout_s: bound of every call when no deadline is armed.
-        device: where bucket buffers live (``cpu``: shared memory; ``cuda``: CUDA IPC).
+        device: where an in-process policy's bucket buffers live (``cpu``: shared memory;
+            ``cuda``: CUDA IPC).
     """
 
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
@@ -64,7 +66,9 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
     """Refit SGLang engines that share the trainer's devices, through tensor handles.
 
     Args:
-        policy: where the weights come from (``weight_source()`` is read on every refit).
+        source: where the buckets come from: a ``PolicyLike`` in this process
+            (``weight_source()`` is read on every refit) or a :class:`BucketSource` (trainer
+            ranks as Ray actors: :class:`~refit_sglang.ray_gather.RayTrainerRanks`).
         clients: the engines.
         refit_timeout_s: deadline of one refit; every engine call is bounded by what is left.
         options: tuning.
@@ -75,7 +79,7 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
 
     def __init__(
         self,
-        policy: PolicyLike,
+        source: PolicyLike | BucketSource,
         clients: Sequence[SGLangClient],
         *,
         refit_timeout_s: float | None = None,
@@ -86,11 +90,14 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
             raise ValueError("need at least one SGLang engine")
         if refit_timeout_s is not None:
             require_bounded(clients)
-        self._policy = policy
-        self._clients = tuple(clients)
         self._options = options or ColocatedOptions()
-        self.buffers = SharedBuffers(self._options.device)
-        """The bucket buffers (``live_bytes`` and ``peak_bytes`` show when they are freed)."""
+        self.source = (
+            source
+            if isinstance(source, BucketSource)
+            else LocalBuckets(source, self._options.device)
+        )
+        """Where the buckets come from."""
+        self._clients = tuple(clients)
 
     @property
     def clients(self) -> tuple[SGLangClient, ...]:
@@ -104,20 +111,15 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
         options = self._options
         started = time.monotonic()
         nbytes = buckets = 0
-        tensors = ((t.name, t.tensor) for t in self._policy.weight_source().iter_tensors())
-        try:
-            with paused(self._clients, options.pause_mode, deadline, options.control_timeout_s):
-                for bucket, last in iter_buckets(
-                    tensors, options.bucket_size_bytes, self.buffers.allocate
-                ):
+        with paused(self._clients, options.pause_mode, deadline, options.control_timeout_s):
+            with closing(self.source.payloads(options.bucket_size_bytes, deadline)) as payloads:
+                for payload in payloads:
                     deadline.check(f"bucket {buckets} of version {version}")
-                    self._send(bucket, str(version) if last else None, deadline)
-                    nbytes += bucket.nbytes
+                    self._send(payload, str(version) if payload.last else None, deadline)
+                    nbytes += payload.nbytes
                     buckets += 1
-                moved = time.monotonic()
-                flush_caches(self._clients, deadline, options.control_timeout_s)
-        finally:
-            self.buffers.release_all()
+            moved = time.monotonic()
+            flush_caches(self._clients, deadline, options.control_timeout_s)
         finished = time.monotonic()
         logger.info(
             "version %d: %d buckets, %d B in %.3f s", version, buckets, nbytes, finished - started
@@ -131,29 +133,23 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
             workers=tuple(WorkerOutcome(c.label, True, version) for c in self._clients),
         )
 
-    def _send(
-        self, bucket: FlattenedBucket, weight_version: str | None, deadline: Deadline
-    ) -> None:
-        """Hand ``bucket`` to every engine, then release its buffer."""
-        payload = self.buffers.serialize(bucket)
-        try:
-            for client in self._clients:
-                body: dict[str, object] = {
-                    "serialized_named_tensors": [payload] * client.tp_size,
-                    "load_format": "flattened_bucket",
-                    "flush_cache": False,
-                }
-                if weight_version is not None:
-                    body["weight_version"] = weight_version
-                client.call(
-                    "update_weights_from_tensor",
-                    body,
-                    deadline.timeout_for(self._options.control_timeout_s),
-                )
-        finally:
-            self.buffers.release(bucket)
+    def _send(self, payload: Payload, weight_version: str | None, deadline: Deadline) -> None:
+        """Hand ``payload`` to every engine (its buffer lives until the source moves on)."""
+        for client in self._clients:
+            body: dict[str, object] = {
+                "serialized_named_tensors": [payload.serialized] * client.tp_size,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+            }
+            if weight_version is not None:
+                body["weight_version"] = weight_version
+            client.call(
+                "update_weights_from_tensor",
+                body,
+                deadline.timeout_for(self._options.control_timeout_s),
+            )
 
     def _shutdown(self) -> None:
-        self.buffers.release_all()
+        self.source.close()
         for client in self._clients:
             client.close()

@@ -29,6 +29,8 @@ __all__ = ["EngineSettings", "SGLangRankParticipant", "sglang_shards"]
 logger = logging.getLogger(__name__)
 
 _THREAD = "refit-sglang"
+_LEAVE_WAIT_S = 5.0
+"""How long shutdown waits for an engine to answer ``destroy_weights_update_group``."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,15 @@ class SGLangRankParticipant(Participant):
         return (id(self._client), self._local_rank)
 
     def close(self) -> None:
-        """Nothing to release: the client belongs to the synchronizer's builder."""
+        """Wait (bounded) for a pending ``destroy_weights_update_group`` to answer, so the
+        client can be closed after it (the client itself belongs to the synchronizer)."""
+        leaving = self._leaving
+        if leaving is None:
+            return
+        try:
+            leaving.result(timeout=_LEAVE_WAIT_S)
+        except Exception as exc:
+            logger.warning("%s: leaving the weight-update group failed: %s", self.label, exc)
 
     def call(self, method: str, *args: Any) -> Future[Any]:
         """Start ``method(*args)``; never blocks."""
