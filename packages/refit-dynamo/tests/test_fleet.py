@@ -1,7 +1,8 @@
 """The channel and the factory row against real Dynamo system servers (``ai-dynamo-runtime``),
 one per worker process, serving the RL admin routes over reference engines that join the
-trainer's gloo group (see :mod:`dynamo_worker`). Runs in definition order: the factory row
-needs no Ray and runs first; the deadline test, which leaves a worker busy, runs last."""
+trainer's gloo group (see :mod:`refit_lab.dynamo_lab.worker`). Runs in definition order: the
+factory row needs no Ray and runs first; the deadline test, which leaves a worker busy, runs
+last."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from dynamo_fleet import Worker, bare_worker, dynamo_fleet
 from refit_core import (
     RefitTimeoutError,
     WeightSynchronizer,
@@ -28,8 +28,9 @@ from refit_dynamo import (
 )
 from refit_dynamo.trainer import VllmPeerTrainer
 from refit_lab.digest import combined_digest, state_digest
+from refit_lab.dynamo_lab.fleet import DEFAULT_MODEL, Worker, bare_worker, dynamo_fleet
 from refit_lab.ray_cluster import LocalCluster, free_port, local_ray
-from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
+from refit_lab.reference_engine import random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import GroupSpec, JoinRequest
 
@@ -41,8 +42,8 @@ pytest.importorskip("dynamo.runtime", reason="ai-dynamo-runtime (dev group) is n
 pytest.importorskip("ray", reason="ray (dev group) is not installed")
 
 MiB = 1024 * 1024
-MODEL = ReferenceModelConfig()
-"""The workers' model (see ``dynamo_worker.MODEL``)."""
+MODEL = DEFAULT_MODEL
+"""The workers' model."""
 SEED = 11
 CONTROL_S = 3.0
 REFIT_CONTROL_S = 30.0

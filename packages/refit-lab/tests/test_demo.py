@@ -141,3 +141,32 @@ def test_engine_vllm_without_vllm_exits_2_saying_how_to_run_it(
 def test_bad_vllm_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DemoSettings(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_demo_refits_dynamo_workers_verified(tmp_path: Path) -> None:
+    pytest.importorskip("dynamo.runtime", reason="ai-dynamo-runtime (dev group) is not installed")
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--transport", "dynamo", "--model", "tiny", "--workers", "2", "--steps", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["transport"] == "dynamo" and report["workers"] == 2
+    steps = report["steps"]
+    assert [(s["step"], s["outcome"], s["verified"]) for s in steps] == [
+        (1, "committed", True),
+        (2, "committed", True),
+    ]
+    assert all(s["detail"] == "" and 0 < s["changed_fraction"] < 0.05 for s in steps)
+    assert all(s["wire_bytes"] > 0 and s["dense_bytes"] > 0 for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"transport": "dynamo", "engine": "vllm", "model": "small"}, "reference engines"),
+        ({"transport": "dynamo", "fault": "kill-worker"}, "applies to"),
+    ],
+)
+def test_bad_dynamo_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DemoSettings(**kwargs)  # type: ignore[arg-type]

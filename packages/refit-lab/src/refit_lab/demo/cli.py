@@ -52,7 +52,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "step, and verify each refit bitwise and by greedy generation."
         ),
     )
-    parser.add_argument("--transport", choices=TRANSPORTS, default=_DEFAULTS.transport)
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=_DEFAULTS.transport,
+        help=(
+            "zmq_sparse: sparse deltas over the ZMQ relay tree; collective: the packed "
+            "gloo/NCCL broadcast; ipc: the colocated IPC channel; dynamo: the Dynamo row, one "
+            "process per worker running Dynamo's real system server and RL admin routes over "
+            "a reference engine, verified through the worker's routes (served version, every "
+            "rank's bits and greedy tokens); no Ray, no --fault"
+        ),
+    )
     parser.add_argument(
         "--workers",
         type=int,

@@ -3,7 +3,8 @@
 Each refit goes through ``create_weight_synchronizer`` exactly as a framework would call it;
 the demo then checks every live worker against the trainer (bitwise digests where the
 workers expose them, served version, greedy tokens from the trainer's own forward pass).
-The workers are reference engines in Ray actors, or real vLLM engines in this process.
+The workers are reference engines in Ray actors or behind Dynamo workers' system servers (one
+process each), or real vLLM engines in this process.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ STAGES = ("train", "refit", "verify bits", "verify tokens")
 
 _MiB = 1 << 20
 _RELEASE_SLACK_S = 1.0
+_CONTROL_SLACK_S = 10.0
 
 
 class Progress(Protocol):
@@ -286,17 +288,20 @@ def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -
         trainer = DemoTrainer(settings.model_config, TrainingConfig(lr=settings.lr))
         if settings.engine == "vllm":
             fleet, generation, proxy = _vllm_fleet(settings, trainer, stack)
+        elif settings.transport == "dynamo":
+            fleet, generation, proxy = _dynamo_fleet(settings, trainer, stack)
         else:
             fleet, generation, proxy = _reference_fleet(settings, trainer, stack)
+        backend, transport = settings.factory_row
         synchronizer = create_weight_synchronizer(
             trainer,
             generation,
-            "vllm",
+            backend,
             settings.colocated,
             train_cluster=LocalCluster(1),
             inference_cluster=LocalCluster(settings.workers),
             refit_timeout_s=settings.timeout_s,
-            transport=settings.transport,
+            transport=transport,
         )
         stack.enter_context(synchronizer)
         _Demo(settings, trainer, fleet, synchronizer, progress, report, proxy).run()
@@ -324,6 +329,25 @@ def _reference_fleet(
         stack.callback(proxy.close)
         fleet.route_relay(0, proxy.address)
     return fleet, fleet, proxy
+
+
+def _dynamo_fleet(
+    settings: DemoSettings, trainer: DemoTrainer, stack: ExitStack
+) -> tuple[Fleet, Any, None]:
+    """Dynamo worker processes on the trainer's initial checkpoint; their channel is the
+    generation (no Ray: the Dynamo row drives the workers from threads)."""
+    from refit_lab.demo.dynamo_fleet import DynamoDemoFleet
+    from refit_lab.dynamo_lab.fleet import dynamo_fleet
+    from refit_nccl import CollectiveOptions
+
+    logs = Path(stack.enter_context(TemporaryDirectory(prefix="refit-demo-dynamo-")))
+    seed = trainer.training.checkpoint_seed
+    ready = stack.enter_context(dynamo_fleet(settings.workers, seed, logs, settings.model_config))
+    # A worker's update call spans the whole transfer: it must outlast the refit's deadline.
+    control_timeout_s = settings.timeout_s + CollectiveOptions().grace_s + _CONTROL_SLACK_S
+    fleet = DynamoDemoFleet(ready(), control_timeout_s)
+    stack.callback(fleet.close)
+    return fleet, fleet.channel, None
 
 
 def _vllm_fleet(

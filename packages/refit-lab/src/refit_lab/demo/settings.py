@@ -28,8 +28,9 @@ engines (in the demo's process, one engine-core process each)."""
 VLLM_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 """Head widths vLLM's CPU attention supports (the ``tiny`` preset's 16 is not one)."""
 
-TRANSPORTS: tuple[str, ...] = ("zmq_sparse", "collective", "ipc")
-"""Transports the demo drives (factory rows of the vLLM backend; ``ipc`` is colocated)."""
+TRANSPORTS: tuple[str, ...] = ("zmq_sparse", "collective", "ipc", "dynamo")
+"""Transports the demo drives: factory rows of the vLLM backend (``ipc`` is colocated), and
+``dynamo``, the Dynamo row (the packed collective driven over Dynamo workers' admin routes)."""
 
 FAULTS: dict[str, frozenset[str]] = {
     "kill-worker": frozenset({"zmq_sparse", "collective", "ipc"}),
@@ -109,6 +110,8 @@ class DemoSettings:
             self._check_vllm()
 
     def _check_vllm(self) -> None:
+        if self.transport == "dynamo":
+            raise ValueError("--transport dynamo runs reference engines behind Dynamo workers")
         if self.fault is not None:
             raise ValueError("--fault needs the reference engine")
         shape = MODELS[self.model]
@@ -133,6 +136,13 @@ class DemoSettings:
     def colocated(self) -> bool:
         """Whether the transport is a colocated one (trainer and engines share the host)."""
         return self.transport == "ipc"
+
+    @property
+    def factory_row(self) -> tuple[str, str]:
+        """``(generation_backend, transport)`` of the factory row the demo refits through."""
+        if self.transport == "dynamo":
+            return "dynamo", "collective"
+        return "vllm", self.transport
 
     @property
     def model_config(self) -> ReferenceModelConfig:

@@ -6,7 +6,7 @@ refit-nccl.
 ``collective_rpc`` runs a vLLM worker-extension method on every rank at once, as vLLM does:
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update(is_checkpoint_format)``,
 ``update_weights(update_info)``, ``finish_weight_update()``. Faults can be injected per
-method (fail with a message, or delay) and every call is logged, for the tests to inspect.
+method (fail with a message, or delay) and every call is logged, for tests to inspect.
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from refit_core import CollectiveSenderSpec, Deadline, TensorSpec
 from refit_dynamo.trainer import PEER_GROUP_NAME
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
+
+__all__ = ["Fault", "ReferenceEngineClient"]
 
 JOIN_S = 60.0
 """How long a rank waits for the group's other members (vLLM has no such deadline)."""
@@ -79,7 +83,10 @@ class _Rank:
             "vllm", update_info["packed_buffer_size_bytes"], update_info["packed_num_buffers"]
         )
         plan = TransferPlan.build(info, geometry)
-        receive_packed(self.group, plan, self.engine.load_weights, Deadline.after(RECEIVE_S))
+        receive_packed(self.group, plan, self._load, Deadline.after(RECEIVE_S))
+
+    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(batch)
 
     def finish_weight_update(self) -> None:
         if not self.updating:
@@ -120,6 +127,14 @@ class ReferenceEngineClient:
                 for r in self.ranks
             ],
         }
+
+    def digests(self) -> list[dict[str, int]]:
+        """Every rank's per-tensor bitwise digests, under checkpoint names."""
+        return [rank.engine.state_digests() for rank in self.ranks]
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[list[int]]]:
+        """Every rank's greedy continuations of ``prompts``."""
+        return [rank.engine.generate(prompts, max_new_tokens).tokens for rank in self.ranks]
 
     async def _enter(self, method: str) -> None:
         self.calls.append(method)

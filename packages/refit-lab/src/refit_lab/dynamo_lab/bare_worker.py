@@ -4,20 +4,17 @@ the worker-down test kills it. Prints ``{"system_url": ...}`` and exits when std
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 
 from dynamo.runtime import DistributedRuntime
+
+from refit_lab.dynamo_lab.serving import serve_until_stdin_closes
+
+__all__ = ["serve"]
 
 
 async def serve() -> None:
     """Serve the system server until stdin closes."""
-    loop = asyncio.get_running_loop()
-    runtime = DistributedRuntime(loop, "mem", "tcp")
-    sys.stdout.write(json.dumps({"system_url": runtime.system_status_server_url()}) + "\n")
-    sys.stdout.flush()
-    await loop.run_in_executor(None, sys.stdin.read)
-    runtime.shutdown()
+    await serve_until_stdin_closes(DistributedRuntime(asyncio.get_running_loop(), "mem", "tcp"))
 
 
 if __name__ == "__main__":

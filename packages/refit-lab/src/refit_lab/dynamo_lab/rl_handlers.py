@@ -1,4 +1,4 @@
-"""The RL admin route handlers of a Dynamo vLLM worker, for tests.
+"""The RL admin route handlers of a Dynamo vLLM worker, for the lab's workers.
 
 Dynamo's own handlers are methods of ``dynamo.vllm.handlers.BaseWorkerHandler``, a module
 that imports vLLM (and msgspec, redis, PIL, safetensors, transformers) at import time, so
@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, Protocol
+
+__all__ = ["EngineClient", "RLAdminHandlers"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
-"""Start and stop Dynamo worker processes (:mod:`dynamo_worker`) for the tests."""
+"""Start and stop Dynamo worker processes (:mod:`refit_lab.dynamo_lab.worker`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -18,14 +19,18 @@ from typing import IO, Any
 import httpx
 
 from refit_dynamo import DynamoWorkerEndpoint
+from refit_lab.reference_engine import ReferenceModelConfig
 
-_HERE = Path(__file__).resolve().parent
-WORKER_SCRIPT = _HERE / "dynamo_worker.py"
-BARE_SCRIPT = _HERE / "dynamo_bare_worker.py"
+__all__ = ["DEFAULT_MODEL", "Worker", "bare_worker", "dynamo_fleet"]
+
+WORKER_MODULE = "refit_lab.dynamo_lab.worker"
+BARE_MODULE = "refit_lab.dynamo_lab.bare_worker"
 START_S = 60.0
 """Deadline of a worker's start (imports torch and the Dynamo runtime on a loaded machine)."""
 CALL_S = 30.0
 """Timeout of test-only calls."""
+DEFAULT_MODEL = ReferenceModelConfig()
+"""The workers' model unless told otherwise."""
 
 _ENV = {
     "DYN_SYSTEM_PORT": "0",
@@ -46,7 +51,7 @@ class Worker:
     log: Path
 
     def call(self, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """POST a test-only route; its JSON answer."""
+        """POST a test-only route (``/engine/_test/{route}``); its JSON answer."""
         answer = httpx.post(
             self.endpoint.route_url(f"_test/{route}"), json=body or {}, timeout=CALL_S
         )
@@ -125,12 +130,14 @@ def _processes(commands: list[list[str]], log_dir: Path) -> Iterator[Callable[[]
 
 
 def dynamo_fleet(
-    size: int, seed: int, log_dir: Path
+    size: int, seed: int, log_dir: Path, config: ReferenceModelConfig = DEFAULT_MODEL
 ) -> contextlib.AbstractContextManager[Callable[[], list[Worker]]]:
-    """``size`` reference-engine workers, all starting from ``random_checkpoint(seed)``."""
-    return _processes([[str(WORKER_SCRIPT), str(seed)]] * size, log_dir)
+    """``size`` reference-engine workers of ``config``, all starting from
+    ``random_checkpoint(config, seed)``."""
+    command = ["-m", WORKER_MODULE, str(seed), json.dumps(dataclasses.asdict(config))]
+    return _processes([command] * size, log_dir)
 
 
 def bare_worker(log_dir: Path) -> contextlib.AbstractContextManager[Callable[[], list[Worker]]]:
     """One worker with no routes behind its system server."""
-    return _processes([[str(BARE_SCRIPT)]], log_dir)
+    return _processes([["-m", BARE_MODULE]], log_dir)
