@@ -22,7 +22,6 @@ from refit_zmq.relay import (
     StaleTransferError,
     TensorReceiver,
     TransferConflictError,
-    payload_checksum,
 )
 from refit_zmq.relay.receiver import as_receiver
 from refit_zmq.relay.verify import verify_sample
@@ -46,7 +45,7 @@ def _payloads(trainer: Trainer, seed: int = 5) -> list[DeltaPayload]:
 def _meta(payload: DeltaPayload, transfer: str = "t1", candidates: int = 64) -> dict[str, Any]:
     return {
         "transfer_id": transfer,
-        "checksum": payload_checksum(payload),
+        "checksum": payload.checksum,
         "verification_candidates": candidates,
     }
 
@@ -87,6 +86,7 @@ def test_rollback_restores_every_bit(trainer: Trainer) -> None:
     [
         (2, {}, StaleBaseError),
         (3, {"checksum": "f" * 32}, ChecksumMismatchError),
+        (3, {"body_digest": bytes(16)}, ChecksumMismatchError),
     ],
 )
 def test_refused_payloads_touch_nothing(

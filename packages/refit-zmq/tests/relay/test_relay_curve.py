@@ -12,7 +12,7 @@ from relay_helpers import KEY, KEY_VAR, TUNING, RelayFleet, RelaySpec, fresh_tra
 
 from refit_core.errors import AuthenticationError, RefitTimeoutError
 from refit_core.types import WeightVersion
-from refit_zmq.relay import CurveConfig, RelayCoordinator, ZmqSparseRefitClient, payload_checksum
+from refit_zmq.relay import CurveConfig, RelayCoordinator, ZmqSparseRefitClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ def test_only_clients_holding_the_server_key_get_through(
                 client.send_payload(
                     transfer_id="v99-x",
                     payload_id="0",
-                    checksum=payload_checksum(payload),
+                    checksum=payload.checksum,
                     verification_candidates=0,
                     body=payload,
                 )

@@ -25,7 +25,6 @@ from refit_zmq.relay import (
     TransferConflictError,
     ZmqSparseRefitClient,
     new_transfer_id,
-    payload_checksum,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +67,7 @@ def _send(
     fields: dict[str, object] = {
         "transfer_id": transfer_id,
         "payload_id": f"p{index}",
-        "checksum": payload_checksum(payload),
+        "checksum": payload.checksum,
         "verification_candidates": 16,
         "body": payload,
         **kw,

@@ -13,7 +13,6 @@ from refit_zmq.relay import (
     ZmqSparseRefitClient,
     ZmqSparseRefitServer,
     new_transfer_id,
-    payload_checksum,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +46,7 @@ def test_flush_reports_what_was_applied_and_what_is_missing(
                 client.send_payload(
                     transfer_id=transfer_id,
                     payload_id=str(index),
-                    checksum=payload_checksum(payload),
+                    checksum=payload.checksum,
                     verification_candidates=8,
                     body=payload,
                 )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from relay_helpers import Trainer, make_state
 
 from refit_core.errors import ProtocolError
+from refit_core.types import WeightVersion
 from refit_zmq.relay.staging import Pending, StagedPayload, Staging
 
 
@@ -24,6 +27,27 @@ def test_chunks_are_written_once_and_must_not_overlap() -> None:
     assert staged.write(4, memoryview(b"ef")) and staged.complete
     assert bytes(staged.buffer) == b"abcdefghij"
     assert [bytes(staged.chunk(i)) for i in range(3)] == [b"abcd", b"ghij", b"ef"]
+
+
+def test_chunks_hashed_in_any_arrival_order_give_the_codecs_checksum() -> None:
+    trainer = Trainer(make_state(1), version=0)
+    try:
+        tracker = trainer.shards[0].tracker
+        payload, *_ = tracker.encode(trainer.state, WeightVersion(1), resync=True)
+        tracker.abort()
+    finally:
+        trainer.close()
+    data = payload.to_bytes()
+    rng = np.random.default_rng(0)
+    cuts = [0, 5, 12, 20, 28, 40, *sorted(rng.choice(range(41, len(data)), 30, replace=False))]
+    chunks = list(zip(cuts, [*cuts[1:], len(data)], strict=True))
+    staged = _staged("0", len(data))
+    for at in rng.permutation(len(chunks)):
+        start, end = chunks[at]
+        with pytest.raises(ProtocolError, match="before every byte"):
+            staged.digest()
+        staged.write(start, memoryview(data)[start:end])
+    assert staged.complete and staged.digest().hex() == payload.checksum
 
 
 def test_admission_respects_budget_window_and_arrival_order() -> None:

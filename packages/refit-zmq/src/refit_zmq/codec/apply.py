@@ -22,12 +22,13 @@ from refit_zmq.codec.dtypes import int_dtype, int_view, unsigned_numpy_dtype
 from refit_zmq.codec.format import (
     BytesLike,
     DecodedItem,
+    DecodedPayload,
     DeltaPayload,
     ItemHeader,
     decode_payload,
 )
 from refit_zmq.codec.locations import decode_locations
-from refit_zmq.codec.scatter import gather, scatter
+from refit_zmq.codec.scatter import gather, read_range, scatter, write_range
 from refit_zmq.codec.undo import UndoEntry, UndoLog
 
 __all__ = ["AppliedPayload", "apply_payload"]
@@ -134,10 +135,10 @@ def _write(write: _Write, target: _FlatTarget, undo: UndoLog | None) -> None:
     item = write.item
     if write.indices is None and target.contiguous:
         start = item.span_start + item.first
-        region = target.flat[start : start + item.count]
         if undo is not None:
-            undo.add(UndoEntry(target.flat, region.clone(), start=start))
-        region.copy_(write.values)
+            old = read_range(target.flat, start, item.count)
+            undo.add(UndoEntry(target.flat, old, start=start))
+        write_range(target.flat, start, write.values)
         return
     if write.indices is None:
         start = item.span_start + item.first
@@ -151,7 +152,7 @@ def _write(write: _Write, target: _FlatTarget, undo: UndoLog | None) -> None:
 
 
 def apply_payload(
-    payload: DeltaPayload | BytesLike | Sequence[BytesLike],
+    payload: DecodedPayload | DeltaPayload | BytesLike | Sequence[BytesLike],
     tensors: Mapping[str, torch.Tensor],
     current: WeightVersion | None,
     *,
@@ -160,7 +161,8 @@ def apply_payload(
     """Apply ``payload`` in place to ``tensors``, the receiver's tensors at version ``current``.
 
     Args:
-        payload: a payload object, its joined bytes, or its frames.
+        payload: a payload already verified by :func:`decode_payload`, a payload object, its
+            joined bytes, or its frames.
         tensors: name -> tensor to update (any device; non-contiguous views are fine).
         current: the version the receiver holds (None: none yet, so only a resync applies).
         undo: if given, the overwritten bits are appended to it, so a caller can roll back
@@ -174,7 +176,7 @@ def apply_payload(
         StaleBaseError: the payload was built against another version; nothing touched.
         GeometryMismatchError: a name, dtype or shape differs from the receiver's; nothing touched.
     """
-    decoded = decode_payload(payload)
+    decoded = payload if isinstance(payload, DecodedPayload) else decode_payload(payload)
     for item in decoded.items:
         _check(item.header, tensors, current)
     writes = [

@@ -45,6 +45,7 @@ __all__ = [
     "DeltaPayload",
     "Encoding",
     "ItemHeader",
+    "PayloadHasher",
     "PlaneInfo",
     "StoredBuffer",
     "build_payload",
@@ -276,15 +277,36 @@ def _pack_buffer_info(info: BufferInfo) -> bytes:
     return b"".join((_BUFFER.pack(info.raw_bytes, len(info.planes)), *planes))
 
 
+class PayloadHasher:
+    """The payload checksum, computed incrementally over a payload's bytes fed in wire order.
+
+    Lets a receiver hash chunks as they arrive (while they are in cache) and hand the digest
+    to :func:`decode_payload` instead of a second pass over the bytes.
+    """
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_128()
+        self.offset = 0
+
+    def update(self, data: BytesLike) -> None:
+        """Hash the next ``len(data)`` bytes of the payload (the checksum field is skipped)."""
+        view = memoryview(data).cast("B")
+        start = self.offset
+        self._hasher.update(view[: max(0, min(len(view), _CHECKSUM_AT - start))])
+        self._hasher.update(view[max(0, _PRELUDE.size - start) :])
+        self.offset += len(view)
+
+    def digest(self) -> bytes:
+        """The xxh3-128 of the bytes fed so far."""
+        digest: bytes = self._hasher.digest()
+        return digest
+
+
 def _checksum(frames: Sequence[BytesLike]) -> bytes:
-    hasher = xxhash.xxh3_128()
-    head = memoryview(frames[0]).cast("B")
-    hasher.update(head[:_CHECKSUM_AT])
-    hasher.update(head[_PRELUDE.size :])
-    for frame in frames[1:]:
+    hasher = PayloadHasher()
+    for frame in frames:
         hasher.update(frame)
-    digest: bytes = hasher.digest()
-    return digest
+    return hasher.digest()
 
 
 def build_payload(
@@ -396,7 +418,7 @@ def _split(data: BytesLike, header_len: int) -> list[memoryview]:
     return frames
 
 
-def _verify(frames: Sequence[BytesLike]) -> int:
+def _verify(frames: Sequence[BytesLike], digest: bytes | None) -> int:
     """Check magic and checksum of frame 0 and the rest; return the header length."""
     head = memoryview(frames[0]).cast("B")
     if len(head) < _PRELUDE.size:
@@ -404,15 +426,22 @@ def _verify(frames: Sequence[BytesLike]) -> int:
     magic, version, _reserved, header_len, checksum = _PRELUDE.unpack_from(head)
     if magic != MAGIC:
         raise ProtocolError("not a refit delta payload (bad magic)")
-    if _checksum(frames) != checksum:
+    if (_checksum(frames) if digest is None else digest) != checksum:
         raise ChecksumMismatchError("delta payload checksum mismatch; nothing was applied")
     if version != FORMAT_VERSION:
         raise ProtocolError(f"unsupported delta payload format {version}")
     return int(header_len)
 
 
-def decode_payload(payload: DeltaPayload | BytesLike | Sequence[BytesLike]) -> DecodedPayload:
+def decode_payload(
+    payload: DeltaPayload | BytesLike | Sequence[BytesLike], *, digest: bytes | None = None
+) -> DecodedPayload:
     """Verify and parse a payload given as a :class:`DeltaPayload`, one buffer, or frames.
+
+    Args:
+        payload: the payload.
+        digest: the :class:`PayloadHasher` digest of exactly these bytes, computed by the
+            caller as they arrived; compared with the carried checksum instead of hashing again.
 
     Raises:
         ChecksumMismatchError: the bytes are not what the sender hashed.
@@ -426,7 +455,7 @@ def decode_payload(payload: DeltaPayload | BytesLike | Sequence[BytesLike]) -> D
         frames = payload
     if not frames:
         raise ProtocolError("empty payload")
-    header_len = _verify(frames)
+    header_len = _verify(frames, digest)
     if len(frames) == 1:
         views = _split(frames[0], header_len)
     else:

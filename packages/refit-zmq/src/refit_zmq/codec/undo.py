@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refit_zmq.codec.scatter import scatter
+from refit_zmq.codec.scatter import scatter, write_range
 
 __all__ = ["UndoEntry", "UndoLog"]
 
@@ -35,7 +35,7 @@ class UndoEntry:
     def restore(self) -> None:
         """Write the old bits back."""
         if self.indices is None:
-            self.target[self.start : self.start + self.old.numel()].copy_(self.old)
+            write_range(self.target, self.start, self.old)
         else:
             scatter(self.target, self.indices, self.old)
 

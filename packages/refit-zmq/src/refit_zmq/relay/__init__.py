@@ -6,7 +6,6 @@ a local receiver (:class:`TensorReceiver`) and forward them down a k-ary tree; a
 :class:`RelayCoordinator` ends each transfer in commit or abort on every relay.
 """
 
-from refit_zmq.relay.checksums import payload_checksum
 from refit_zmq.relay.client import ZmqSparseRefitClient
 from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
 from refit_zmq.relay.curve import CurveConfig
@@ -44,7 +43,6 @@ __all__ = [
     "ZmqSparseRefitServer",
     "deliver_payloads",
     "new_transfer_id",
-    "payload_checksum",
     "run_transfer",
     "stream_sparse_delta_payloads_via_zmq",
 ]

@@ -128,7 +128,7 @@ class ZmqSparseRefitClient:
         Args:
             transfer_id: the transfer the payload belongs to.
             payload_id: unique within (transfer, producer); a retry reuses it.
-            checksum: the payload's xxh3-128 (``checksums.payload_checksum``), 32 hex digits.
+            checksum: the payload's xxh3-128 (``DeltaPayload.checksum``), 32 hex digits.
             verification_candidates: changed entries every receiver re-reads after applying
                 and compares with the values sent (0 disables).
             body: the payload (its frames are sent back to back, in chunks).

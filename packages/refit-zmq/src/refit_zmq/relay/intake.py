@@ -204,7 +204,7 @@ class PayloadIntake:
         if staged.submitted:
             return
         staged.submitted = True
-        metadata = {**staged.begin, **payload_ids(staged.key)}
+        metadata = {**staged.begin, **payload_ids(staged.key), "body_digest": staged.digest()}
         body = staged.buffer.data
         receiver = self._receiver
         self._jobs.submit(

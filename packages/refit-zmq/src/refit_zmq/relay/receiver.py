@@ -17,8 +17,13 @@ import torch
 
 from refit_core.errors import ChecksumMismatchError, ProtocolError
 from refit_core.types import WeightVersion
-from refit_zmq.codec import UndoLog, apply_payload, decode_payload, tensor_digest
-from refit_zmq.relay.checksums import embedded_checksum
+from refit_zmq.codec import (
+    PayloadHasher,
+    UndoLog,
+    apply_payload,
+    decode_payload,
+    tensor_digest,
+)
 from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
 from refit_zmq.relay.verify import verify_sample
 
@@ -33,6 +38,8 @@ class Receiver(Protocol):
 
     ``apply`` raises a refit error to refuse a payload (nothing of it may stay applied);
     ``commit`` and ``rollback`` end the open transfer and are idempotent per transfer id.
+    The relay's ``metadata`` carries ``body_digest``: the codec's
+    :class:`~refit_zmq.codec.PayloadHasher` digest of ``body``, hashed as it arrived.
     """
 
     def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,15 +139,21 @@ class TensorReceiver:
             raise TransferConflictError(
                 f"transfer {self._open.transfer_id} is open; {transfer_id} must wait"
             )
-        if embedded_checksum(body) != metadata["checksum"]:
+        digest = metadata.get("body_digest")
+        if digest is None:
+            hasher = PayloadHasher()
+            hasher.update(body)
+            digest = hasher.digest()
+        if digest.hex() != metadata["checksum"]:
             raise ChecksumMismatchError("payload checksum differs from the declared one")
+        decoded = decode_payload(body, digest=digest)
         undo = UndoLog()
-        applied = apply_payload(body, self._tensors, self._version, undo=undo)
+        applied = apply_payload(decoded, self._tensors, self._version, undo=undo)
         try:
             target = self._target(applied.targets, transfer_id)
             candidates = int(metadata.get("verification_candidates", 0))
             verified = (
-                verify_sample(decode_payload(body), self._tensors, candidates, self._rng)
+                verify_sample(decoded, self._tensors, candidates, self._rng)
                 if candidates > 0
                 else 0
             )

@@ -1,5 +1,9 @@
 """Bounded staging of payloads on a relay: admission by byte budget, chunks written in place.
 
+Each chunk is copied once, from the received frame into the payload's buffer, and hashed right
+after (while in cache) as soon as every byte before it has arrived, so the apply gets the
+payload checksum's digest without another pass over the bytes.
+
 A payload is admitted (its BEGIN answered READY) only when its whole size fits the budget
 and its tree has a free slot in the window, so every chunk of an admitted payload always has
 room and the relay never has to stop reading half-way through one. BEGINs that do not fit
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from refit_core.errors import ProtocolError
+from refit_zmq.codec import PayloadHasher
 
 __all__ = ["PayloadKey", "Pending", "StagedPayload", "Staging"]
 
@@ -37,6 +42,7 @@ class StagedPayload:
         chunks: ``(offset, length)`` of every chunk, in arrival order (what forwards stream).
         applied: whether the local apply has finished (either way).
         forwards: children still being streamed to.
+        hasher: the payload checksum over the chunks received without a gap from offset 0.
     """
 
     key: PayloadKey
@@ -52,6 +58,7 @@ class StagedPayload:
     submitted: bool = False
     forwards: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    hasher: PayloadHasher = field(default_factory=PayloadHasher)
     _starts: list[int] = field(default_factory=list)
     _ends: list[int] = field(default_factory=list)
 
@@ -90,7 +97,21 @@ class StagedPayload:
         self.chunks.append((offset, len(data)))
         self.received += len(data)
         self.last_seen = time.monotonic()
+        self._hash_from(at)
         return True
+
+    def _hash_from(self, at: int) -> None:
+        """Hash the held chunks from index ``at`` on that continue the hashed prefix."""
+        starts = self._starts
+        while at < len(starts) and starts[at] == self.hasher.offset:
+            self.hasher.update(self.buffer.data[starts[at] : self._ends[at]])
+            at += 1
+
+    def digest(self) -> bytes:
+        """The payload checksum's digest of the whole payload (call once it is complete)."""
+        if self.hasher.offset != self.total_bytes:
+            raise ProtocolError("payload digest asked for before every byte was hashed")
+        return self.hasher.digest()
 
     def chunk(self, index: int) -> memoryview:
         """The bytes of chunk number ``index`` (arrival order), sharing the buffer."""

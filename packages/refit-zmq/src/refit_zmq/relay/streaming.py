@@ -19,7 +19,6 @@ import torch
 from refit_core.types import NamedTensor, WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.auth import api_key_from_env
-from refit_zmq.relay.checksums import payload_checksum
 from refit_zmq.relay.client import ZmqSparseRefitClient
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.tuning import RelayTuning
@@ -161,7 +160,7 @@ def deliver_payloads(
                     client.send_payload,
                     transfer_id=transfer_id,
                     payload_id=f"{payload_prefix}.{index}",
-                    checksum=payload_checksum(payload),
+                    checksum=payload.checksum,
                     verification_candidates=verification_candidates,
                     body=payload,
                     relay_root=relay_root,
