@@ -17,6 +17,7 @@ from typing import TextIO
 
 from refit_core import __version__
 from refit_core.registry import KNOWN_ROWS, RowStatus, row_status
+from refit_core.text import align_columns
 
 __all__ = ["CLI_ENTRY_POINT_GROUP", "build_parser", "main"]
 
@@ -39,10 +40,8 @@ def _write_backends(statuses: Sequence[RowStatus], out: TextIO) -> None:
         )
         for s in statuses
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for line in (headers, tuple("-" * w for w in widths), *rows):
-        out.write("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-        out.write("\n")
+    for line in align_columns([headers, *rows], rule=True):
+        out.write(line + "\n")
 
 
 def _backends(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from refit_core.text import align_columns
 from refit_lab.bench.runtime import default_threads
 
 logger = logging.getLogger(__name__)
@@ -202,9 +203,8 @@ def format_table(report: BenchReport) -> str:
     for result in report.results:
         columns.extend(key for key in result if key not in columns)
     rows = [columns, *[[_cell(r.get(c, "")) for c in columns] for r in report.results]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [f"bench {report.bench} ({'quick' if report.quick else 'full'})"]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines += align_columns(rows)
     lines += [f"{key} = {_cell(value)}" for key, value in report.summary.items()]
     return "\n".join(line.rstrip() for line in lines)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refit_core.text import align_columns
+
 __all__ = ["DemoReport", "RefitRecord"]
 
 _MB = 1e6
@@ -113,10 +115,6 @@ class DemoReport:
             )
             for r in self.records
         ]
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-        lines = [
-            "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True))
-            for line in (headers, tuple("-" * w for w in widths), *rows)
-        ]
+        lines = align_columns([headers, *rows], right=True, rule=True)
         lines += [f"step {r.step}: {r.detail}" for r in self.records if r.detail]
         return "\n".join(lines)
