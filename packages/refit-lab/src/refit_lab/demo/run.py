@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -105,6 +106,11 @@ class _Demo:
     report: DemoReport
     proxy: CorruptingRelayProxy | None = None
 
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        """The prompts every worker generates from after each refit (the same every step)."""
+        return self.trainer.prompts(self.settings.prompts, 8)
+
     def run(self) -> None:
         committed = self.trainer.engine_state()
         for step in range(1, self.settings.steps + 1):
@@ -129,7 +135,7 @@ class _Demo:
         """vLLM's oracle: every engine's tokens now equal a fresh engine's on ``committed``
         (folded into the last record)."""
         fleet = cast("VllmFleet", self.fleet)
-        prompts = self.trainer.prompts(self.settings.prompts, 8)
+        prompts = self.prompts
         wanted = fleet.fresh_tokens(committed, prompts, self.settings.new_tokens)
         tokens = fleet.call("generate", prompts, self.settings.new_tokens)
         differ = sorted(i for i, t in tokens.items() if t != wanted)
@@ -180,7 +186,7 @@ class _Demo:
         bits_ok = all(d == expected for d in digests.values())
         versions_ok = all(v == result.version for v in versions.values())
         bar.advance("verify bits")
-        prompts = self.trainer.prompts(self.settings.prompts, 8)
+        prompts = self.prompts
         tokens = self.fleet.call("generate", prompts, self.settings.new_tokens)
         if self.settings.engine == "vllm":  # the engines agree; a fresh engine checks at the end
             wanted = tokens[self.fleet.live[0]]
