@@ -4,8 +4,8 @@ SGLang cannot run on these CPU machines, so tests refit this instead. Every requ
 checked against SGLang's request structs (:func:`refit_sglang.validate_request`, which also
 refuses unknown fields) before it is served; a payload is rebuilt the way SGLang rebuilds a
 flattened bucket (base64 -> unpickle -> ``metadata`` attributes -> views) by each rank from its
-own entry. Reachable in process (:class:`StandInEngine`, shaped like ``sglang.Engine``) or over
-HTTP (:func:`serve`).
+own entry. Reachable over HTTP (:func:`serve`) or in process
+(:mod:`sglang_engine_standin`, shaped like ``sglang.Engine``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -193,42 +192,6 @@ class StandInSGLang:
             for rank in self.ranks:
                 rank.set_weight_version(int(weight_version))
             self.weight_version = weight_version
-
-
-class StandInEngine:
-    """``sglang.Engine``'s surface over a :class:`StandInSGLang` (keyword arguments; the
-    flattened payloads arrive as ``named_tensors``; answers ``(success, message)``)."""
-
-    def __init__(self, server: StandInSGLang) -> None:
-        self.server = server
-        self.server_args = SimpleNamespace(tp_size=server.tp_size)
-
-    def _call(self, route: str, body: dict[str, Any]) -> tuple[bool, str]:
-        reply = self.server.handle(route, body)
-        return reply["success"], reply["message"]
-
-    def pause_generation(self, **body: Any) -> tuple[bool, str]:
-        return self._call("pause_generation", body)
-
-    def continue_generation(self, **body: Any) -> tuple[bool, str]:
-        return self._call("continue_generation", body)
-
-    def flush_cache(self, **body: Any) -> tuple[bool, str]:
-        return self._call("flush_cache", body)
-
-    def init_weights_update_group(self, **body: Any) -> tuple[bool, str]:
-        return self._call("init_weights_update_group", body)
-
-    def update_weights_from_distributed(self, **body: Any) -> tuple[bool, str]:
-        return self._call("update_weights_from_distributed", body)
-
-    def destroy_weights_update_group(self, **body: Any) -> tuple[bool, str]:
-        return self._call("destroy_weights_update_group", body)
-
-    def update_weights_from_tensor(self, named_tensors: list[str], **body: Any) -> tuple[bool, str]:
-        return self._call(
-            "update_weights_from_tensor", {"serialized_named_tensors": named_tensors, **body}
-        )
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -13,7 +13,9 @@ from refit_lab.conformance import RefitDeployment, SynchronizerConformance, chec
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_sglang import ColocatedOptions, ColocatedSGLangSynchronizer, EngineClient, HttpClient
-from sglang_standin import StandInDeployment, StandInEngine, StandInSGLang, serve
+from refit_sglang.protocol import REFIT_FIELDS
+from sglang_engine_standin import IO_STRUCT, StandInEngine
+from sglang_standin import StandInDeployment, StandInSGLang, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,16 +37,26 @@ def _deploy(
     clients = [
         HttpClient(stack.enter_context(serve(e)), control_timeout_s=10.0)
         if http
-        else EngineClient(StandInEngine(e), f"engine {i}")
+        else _in_process(e, f"engine {i}", stack)
         for i, e in enumerate(engines)
     ]
-    synchronizer = ColocatedSGLangSynchronizer(
-        trainer,
-        clients,
-        refit_timeout_s=refit_timeout_s,
-        options=ColocatedOptions(bucket_size_bytes=bucket_size_bytes),
-    )
+    try:
+        synchronizer = ColocatedSGLangSynchronizer(
+            trainer,
+            clients,
+            refit_timeout_s=refit_timeout_s,
+            options=ColocatedOptions(bucket_size_bytes=bucket_size_bytes),
+        )
+    except BaseException:
+        stack.close()
+        raise
     return StandInDeployment(trainer, synchronizer, config, engines, stack)
+
+
+def _in_process(server: StandInSGLang, label: str, stack: contextlib.ExitStack) -> EngineClient:
+    engine = StandInEngine(server)
+    stack.callback(engine.shutdown)
+    return EngineClient(engine, label, io_struct=IO_STRUCT)
 
 
 class TestColocatedHttp(SynchronizerConformance):
@@ -61,9 +73,9 @@ class TestColocatedInProcess(SynchronizerConformance):
         return _deploy(http=False, config=ReferenceModelConfig(dtype="float32"))
 
 
-@pytest.fixture
-def deployment() -> Iterator[StandInDeployment]:
-    created = _deploy()
+@pytest.fixture(params=["http", "in_process"])
+def deployment(request: pytest.FixtureRequest) -> Iterator[StandInDeployment]:
+    created = _deploy(http=request.param == "http")
     try:
         yield created
     finally:
@@ -86,6 +98,13 @@ def test_lifecycle_around_every_refit(deployment: StandInDeployment) -> None:
         assert len(updates) > 1, "the small bucket size should split the state"
         assert all(b["load_format"] == "flattened_bucket" for b in updates)
         assert [b.get("weight_version") for b in updates] == [None] * (len(updates) - 1) + ["1"]
+        assert {route: body["mode"] for route, body in engine.calls[:1]} == {
+            "pause_generation": "abort"
+        }
+        assert all(
+            set(body) <= {*REFIT_FIELDS[route], "serialized_named_tensors"}
+            for route, body in engine.calls
+        )
         assert engine.weight_version == "1" and not engine.paused
 
 
@@ -140,10 +159,10 @@ def test_factory_row() -> None:
     config = MODEL
     trainer = SimulatedTrainer(random_checkpoint(config, 1), engine_dtype=config.dtype)
     engines = [StandInSGLang(config, seed=5, tp_size=tp) for tp in (1, 2)]
-    with serve(engines[0]) as url:
+    with serve(engines[0]) as url, contextlib.ExitStack() as stack:
         synchronizer = create_weight_synchronizer(
             trainer,
-            [url, StandInEngine(engines[1])],
+            [url, _in_process(engines[1], "engine 1", stack)],
             "sglang",
             colocated=True,
             refit_buffer_size_gb=1 / 4096,

@@ -16,7 +16,9 @@ from refit_lab.faults import ProcessGang
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import CollectiveWeightSynchronizer
-from refit_sglang import HttpClient, SGLangCollectiveSynchronizer
+from refit_sglang import EngineClient, HttpClient, SGLangClient, SGLangCollectiveSynchronizer
+from refit_sglang.protocol import REFIT_FIELDS
+from sglang_engine_standin import IO_STRUCT, StandInEngine
 from sglang_standin import StandInDeployment, StandInSGLang, serve, serve_in_process
 
 pytestmark = pytest.mark.timeout(90)
@@ -27,7 +29,9 @@ BUCKET_GB = 1 / 1024
 
 
 def _synchronizer(
-    trainer: SimulatedTrainer, urls: Sequence[str], refit_timeout_s: float | None = 30.0
+    trainer: SimulatedTrainer,
+    urls: Sequence[str | SGLangClient],
+    refit_timeout_s: float | None = 30.0,
 ) -> WeightSynchronizer:
     return create_weight_synchronizer(
         trainer,
@@ -39,12 +43,21 @@ def _synchronizer(
     )
 
 
-def _deploy(tp_sizes: Sequence[int] = (1, 2)) -> StandInDeployment:
+def _deploy(tp_sizes: Sequence[int] = (1, 2), *, http: bool = True) -> StandInDeployment:
     trainer = SimulatedTrainer(random_checkpoint(MODEL, 1), engine_dtype=MODEL.dtype, lr=1e-2)
     engines = [StandInSGLang(MODEL, seed=2 + i, tp_size=tp) for i, tp in enumerate(tp_sizes)]
     stack = contextlib.ExitStack()
-    urls = [stack.enter_context(serve(e)) for e in engines]
-    return StandInDeployment(trainer, _synchronizer(trainer, urls), MODEL, engines, stack)
+    if http:
+        synchronizer = _synchronizer(trainer, [stack.enter_context(serve(e)) for e in engines])
+    else:
+        in_process = [StandInEngine(e) for e in engines]
+        for engine in in_process:
+            stack.callback(engine.shutdown)
+        clients: list[str | SGLangClient] = [
+            EngineClient(e, f"engine {i}", io_struct=IO_STRUCT) for i, e in enumerate(in_process)
+        ]
+        synchronizer = _synchronizer(trainer, clients, refit_timeout_s=None)
+    return StandInDeployment(trainer, synchronizer, MODEL, engines, stack)
 
 
 class TestDisaggregated(SynchronizerConformance):
@@ -54,8 +67,17 @@ class TestDisaggregated(SynchronizerConformance):
         return _deploy()
 
 
-def test_calls_and_group_lifecycle() -> None:
-    deployment = _deploy()
+class TestDisaggregatedInProcess(SynchronizerConformance):
+    """Two in-process Engine-shaped objects (1 and 2 ranks): their calls run on the
+    participants' threads, on each engine's own loop."""
+
+    def create_deployment(self) -> RefitDeployment:
+        return _deploy(http=False)
+
+
+@pytest.mark.parametrize("http", [True, False], ids=["http", "in_process"])
+def test_calls_and_group_lifecycle(http: bool) -> None:
+    deployment = _deploy(http=http)
     try:
         assert isinstance(deployment.synchronizer, CollectiveWeightSynchronizer)
         deployment.synchronizer.sync_weights()
@@ -71,6 +93,7 @@ def test_calls_and_group_lifecycle() -> None:
             updates = [b for r, b in engine.calls if r == "update_weights_from_distributed"]
             assert len(updates) > 1
             assert updates[-1]["weight_version"] == "1"
+            assert all(set(body) <= set(REFIT_FIELDS[route]) for route, body in engine.calls)
         assert [c[1]["rank_offset"] for e in deployment.engines for c in e.calls[:1]] == [1, 2]
         deployment.synchronizer.shutdown()
         for engine in deployment.engines:

@@ -2,9 +2,11 @@
 
 from refit_sglang.buckets import FlattenedBucket, TensorSlot, iter_buckets
 from refit_sglang.builder import build_colocated_synchronizer, build_disaggregated_synchronizer
-from refit_sglang.client import EngineClient, HttpClient, SGLangClient, clients_for
+from refit_sglang.client import HttpClient, SGLangClient, UnsupportedEngineError
+from refit_sglang.clients import clients_for
 from refit_sglang.colocated import ColocatedOptions, ColocatedSGLangSynchronizer
 from refit_sglang.disaggregated import SGLangCollectiveSynchronizer
+from refit_sglang.engine_client import EngineClient
 from refit_sglang.handles import SharedBuffers, attach_shared
 from refit_sglang.lifecycle import PauseMode, check_pause_mode
 from refit_sglang.participants import EngineSettings, SGLangRankParticipant
@@ -39,6 +41,7 @@ __all__ = [
     "SharedBuffers",
     "TensorSlot",
     "TrainerRank",
+    "UnsupportedEngineError",
     "__version__",
     "attach_shared",
     "build_colocated_synchronizer",

@@ -7,7 +7,7 @@ import socket
 from refit_core import SynchronizerRequest
 from refit_core.protocols import ClusterLike, PolicyLike
 from refit_nccl import CollectiveOptions, LocalParticipant
-from refit_sglang.client import clients_for
+from refit_sglang.clients import clients_for
 from refit_sglang.colocated import (
     DEFAULT_BUCKET_SIZE_BYTES,
     ColocatedOptions,
@@ -39,6 +39,7 @@ def build_colocated_synchronizer(request: SynchronizerRequest) -> ColocatedSGLan
 
     Raises:
         ValueError: a wrong policy or generation, or a deadline with in-process engines.
+        UnsupportedEngineError: an in-process engine that lacks a route or field refit needs.
     """
     size = request.refit_buffer_size_bytes
     options = ColocatedOptions() if size is None else ColocatedOptions(bucket_size_bytes=size)
@@ -63,6 +64,7 @@ def build_disaggregated_synchronizer(request: SynchronizerRequest) -> SGLangColl
 
     Raises:
         ValueError: a wrong policy or generation, or a deadline with in-process engines.
+        UnsupportedEngineError: an in-process engine that lacks a route or field refit needs.
     """
     policy = _policy(request)
     clients = clients_for(request.generation)

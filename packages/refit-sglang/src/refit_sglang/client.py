@@ -1,30 +1,29 @@
-"""Clients for SGLang's two surfaces: its HTTP server and an in-process ``sglang.Engine``.
+"""Clients for SGLang's surfaces, as refit calls them, and its HTTP server's client.
 
-Both take a route name (``pause_generation``, ``update_weights_from_tensor``, ...) and a body
-with the fields of SGLang's request struct (:mod:`refit_sglang.protocol`), and raise
-:class:`~refit_core.WorkerError` when the engine reports a failure.
+Every client takes a route name (``pause_generation``, ``update_weights_from_tensor``, ...)
+and a body with the fields of SGLang's request struct (:mod:`refit_sglang.protocol`), and
+raises :class:`~refit_core.WorkerError` when the engine reports a failure. The in-process
+client is :class:`~refit_sglang.engine_client.EngineClient`.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping
 
 import httpx
 
-from refit_core import RefitTimeoutError, WorkerError
+from refit_core import RefitError, RefitTimeoutError, WorkerError
 
-__all__ = ["EngineClient", "HttpClient", "SGLangClient", "clients_for"]
+__all__ = ["HttpClient", "SGLangClient", "UnsupportedEngineError"]
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_ARGUMENT_NAMES: Mapping[str, Mapping[str, str]] = {
-    "update_weights_from_tensor": {"serialized_named_tensors": "named_tensors"},
-}
-"""Where ``sglang.Engine``'s keyword differs from the request field (it takes the serialized
-payloads as ``named_tensors`` when ``load_format="flattened_bucket"``)."""
+
+class UnsupportedEngineError(RefitError, TypeError):
+    """An SGLang engine lacks what refit needs (a method, a request struct or one of its
+    fields, such as ``weight_version``); refit refuses it rather than skip the step."""
 
 
 class SGLangClient(ABC):
@@ -42,6 +41,11 @@ class SGLangClient(ABC):
     @abstractmethod
     def tp_size(self) -> int:
         """Tensor-parallel ranks of the engine (each gets its own copy of a payload)."""
+
+    @abstractmethod
+    def require(self, routes: Collection[str]) -> None:
+        """Raise :class:`UnsupportedEngineError` unless every route can be served with the
+        fields refit sets (checked before a synchronizer moves anything)."""
 
     @abstractmethod
     def call(self, route: str, body: Mapping[str, object], timeout_s: float | None) -> None:
@@ -68,6 +72,10 @@ class HttpClient(SGLangClient):
     def bounded(self) -> bool:
         """Every request carries a timeout."""
         return True
+
+    def require(self, routes: Collection[str]) -> None:
+        """Nothing to check ahead: a server answers for itself (an unknown route or a
+        refused field is a failed call)."""
 
     @property
     def tp_size(self) -> int:
@@ -108,42 +116,6 @@ class HttpClient(SGLangClient):
         self._http.close()
 
 
-class EngineClient(SGLangClient):
-    """An in-process ``sglang.Engine``-like object: one method per route, keyword arguments.
-
-    Its calls run on the caller's thread and cannot be bounded, so a synchronizer with a
-    deadline refuses it.
-    """
-
-    def __init__(self, engine: Any, label: str = "engine") -> None:
-        super().__init__(label)
-        self._engine = engine
-
-    @property
-    def bounded(self) -> bool:
-        """An in-process call cannot be interrupted."""
-        return False
-
-    @property
-    def tp_size(self) -> int:
-        """``engine.server_args.tp_size``."""
-        return int(self._engine.server_args.tp_size)
-
-    def call(self, route: str, body: Mapping[str, object], timeout_s: float | None) -> None:
-        """``engine.<route>(**body)``, with the Engine's own keyword names."""
-        method = getattr(self._engine, route, None)
-        if method is None:
-            raise WorkerError("the engine has no such method", worker=self.label, operation=route)
-        renames = _ENGINE_ARGUMENT_NAMES.get(route, {})
-        result = method(**{renames.get(k, k): v for k, v in body.items()})
-        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
-            result = {"success": result[0], "message": result[1]}
-        _check_reply(self.label, route, 200, result)
-
-    def close(self) -> None:
-        """Nothing to release: the engine belongs to its creator."""
-
-
 def _json(response: httpx.Response) -> object:
     try:
         return response.json()
@@ -158,33 +130,3 @@ def _check_reply(label: str, route: str, status: int, reply: object) -> None:
         return
     message = reply.get("message", reply) if isinstance(reply, dict) else reply
     raise WorkerError(f"HTTP {status}: {message}", worker=label, operation=route)
-
-
-def clients_for(generation: object) -> list[SGLangClient]:
-    """SGLang clients for ``generation``: a base URL, an ``SGLangClient``, an Engine-like
-    object (anything with ``update_weights_from_tensor``), or a sequence of these.
-
-    Raises:
-        ValueError: ``generation`` is none of these, or an empty sequence.
-    """
-    items: Sequence[object] = (
-        generation
-        if isinstance(generation, Sequence) and not isinstance(generation, str)
-        else [generation]
-    )
-    if not items:
-        raise ValueError("generation names no SGLang engine")
-    clients: list[SGLangClient] = []
-    for index, item in enumerate(items):
-        if isinstance(item, SGLangClient):
-            clients.append(item)
-        elif isinstance(item, str):
-            clients.append(HttpClient(item))
-        elif callable(getattr(item, "update_weights_from_tensor", None)):
-            clients.append(EngineClient(item, f"engine {index}"))
-        else:
-            raise ValueError(
-                "generation must be SGLang server URLs, sglang.Engine-like objects or "
-                f"SGLangClients, got {type(item).__name__}"
-            )
-    return clients

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from refit_core import Deadline, RefitResult, WeightSynchronizer, WorkerOutcome
 from refit_core.protocols import PolicyLike
 from refit_sglang.client import SGLangClient
-from refit_sglang.lifecycle import PauseMode, check_pause_mode, flush_caches, paused
+from refit_sglang.lifecycle import (
+    LIFECYCLE_ROUTES,
+    PauseMode,
+    check_pause_mode,
+    flush_caches,
+    paused,
+)
 from refit_sglang.sources import BucketSource, LocalBuckets, Payload
 
 __all__ = ["ColocatedOptions", "ColocatedSGLangSynchronizer", "require_bounded"]
@@ -27,6 +33,8 @@ __all__ = ["ColocatedOptions", "ColocatedSGLangSynchronizer", "require_bounded"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_SIZE_BYTES = 512 * 1024**2
+ROUTES = (*LIFECYCLE_ROUTES, "update_weights_from_tensor")
+"""Every route the colocated row calls."""
 
 
 def require_bounded(clients: Sequence[SGLangClient]) -> None:
@@ -75,6 +83,7 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
 
     Raises:
         ValueError: a deadline with a client whose calls cannot be bounded (in-process).
+        UnsupportedEngineError: an in-process engine that lacks a route or field refit needs.
     """
 
     def __init__(
@@ -90,6 +99,8 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
             raise ValueError("need at least one SGLang engine")
         if refit_timeout_s is not None:
             require_bounded(clients)
+        for client in clients:
+            client.require(ROUTES)
         self._options = options or ColocatedOptions()
         self.source = (
             source

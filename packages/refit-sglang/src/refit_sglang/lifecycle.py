@@ -11,7 +11,14 @@ from typing import Literal
 from refit_core import Deadline
 from refit_sglang.client import SGLangClient
 
-__all__ = ["REFIT_PAUSE_MODES", "PauseMode", "check_pause_mode", "flush_caches", "paused"]
+__all__ = [
+    "LIFECYCLE_ROUTES",
+    "REFIT_PAUSE_MODES",
+    "PauseMode",
+    "check_pause_mode",
+    "flush_caches",
+    "paused",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +26,9 @@ PauseMode = Literal["abort", "retract"]
 """Pause modes a refit may use; SGLang's ``in_place`` keeps KV computed with old weights."""
 
 REFIT_PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract")
+
+LIFECYCLE_ROUTES = ("pause_generation", "flush_cache", "continue_generation")
+"""The routes every refit calls around moving the weights."""
 
 
 def check_pause_mode(mode: str) -> PauseMode:

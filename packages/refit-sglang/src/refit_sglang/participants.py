@@ -21,7 +21,7 @@ from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
 from refit_nccl import JoinRequest, Participant, TransferStats
 from refit_nccl.futures import dispatch, done, in_thread, then
 from refit_sglang.client import SGLangClient
-from refit_sglang.lifecycle import PauseMode, flush_caches, paused
+from refit_sglang.lifecycle import LIFECYCLE_ROUTES, PauseMode, flush_caches, paused
 from refit_sglang.plan import DistributedPlan, StateItems, sglang_geometry
 
 __all__ = ["EngineSettings", "SGLangRankParticipant", "sglang_shards"]
@@ -31,6 +31,13 @@ logger = logging.getLogger(__name__)
 _THREAD = "refit-sglang"
 _LEAVE_WAIT_S = 5.0
 """How long shutdown waits for an engine to answer ``destroy_weights_update_group``."""
+ROUTES = (
+    *LIFECYCLE_ROUTES,
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+)
+"""Every route the disaggregated row calls."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,13 @@ class SGLangRankParticipant(Participant):
 def sglang_shards(
     clients: Sequence[SGLangClient], settings: EngineSettings
 ) -> dict[int, list[Participant]]:
-    """Shard index -> one participant per tensor-parallel rank of each engine."""
+    """Shard index -> one participant per tensor-parallel rank of each engine.
+
+    Raises:
+        UnsupportedEngineError: an in-process engine that lacks a route or field refit needs.
+    """
+    for client in clients:
+        client.require(ROUTES)
     return {
         index: [SGLangRankParticipant(client, rank, settings) for rank in range(client.tp_size)]
         for index, client in enumerate(clients)

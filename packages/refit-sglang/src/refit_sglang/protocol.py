@@ -17,10 +17,13 @@ from typing import Final
 
 __all__ = [
     "PAUSE_MODES",
+    "REFIT_FIELDS",
     "REQUESTS",
     "SGLANG_COMMIT",
+    "TOKENIZER_CALLS",
     "Field",
     "RequestSchemaError",
+    "TokenizerCall",
     "validate_request",
 ]
 
@@ -109,6 +112,73 @@ REQUESTS: Final[Mapping[str, Mapping[str, Field]]] = {
     "destroy_weights_update_group": {"group_name": Field("str", _is_str)},
 }
 """Route name -> field name -> :class:`Field` (``rid`` is accepted on every route)."""
+
+REFIT_FIELDS: Final[Mapping[str, tuple[str, ...]]] = {
+    "pause_generation": ("mode",),
+    "continue_generation": (),
+    "flush_cache": (),
+    "update_weights_from_tensor": (
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "weight_version",
+    ),
+    "update_weights_from_distributed": (
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "weight_version",
+    ),
+    "init_weights_update_group": (
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    ),
+    "destroy_weights_update_group": ("group_name",),
+}
+"""The fields refit sets on each route (a subset of :data:`REQUESTS`): an in-process engine
+must accept every one of them, or refit refuses it before anything moves."""
+
+
+@dataclass(frozen=True)
+class TokenizerCall:
+    """How SGLang's ``TokenizerManager`` serves a route in process.
+
+    Attributes:
+        request_type: the ``io_struct`` class the fields travel in; None where the coroutine
+            takes them as keywords (``flush_cache(timeout_s=None)``).
+        request_slot: whether the coroutine also takes the HTTP request after the struct
+            (``sglang.Engine`` passes ``None`` there).
+    """
+
+    request_type: str | None
+    request_slot: bool
+
+
+TOKENIZER_CALLS: Final[Mapping[str, TokenizerCall]] = {
+    "pause_generation": TokenizerCall("PauseGenerationReqInput", request_slot=False),
+    "continue_generation": TokenizerCall("ContinueGenerationReqInput", request_slot=False),
+    "flush_cache": TokenizerCall(None, request_slot=False),
+    "update_weights_from_tensor": TokenizerCall(
+        "UpdateWeightsFromTensorReqInput", request_slot=True
+    ),
+    "update_weights_from_distributed": TokenizerCall(
+        "UpdateWeightsFromDistributedReqInput", request_slot=True
+    ),
+    "init_weights_update_group": TokenizerCall("InitWeightsUpdateGroupReqInput", request_slot=True),
+    "destroy_weights_update_group": TokenizerCall(
+        "DestroyWeightsUpdateGroupReqInput", request_slot=True
+    ),
+}
+"""Route -> its ``TokenizerManager`` coroutine (same name). Read at commit
+:data:`SGLANG_COMMIT`: ``pause_generation(obj)`` and ``continue_generation(obj)`` in
+``managers/tokenizer_manager.py``; the calls ``sglang.Engine`` makes in
+``entrypoints/engine.py`` (``flush_cache()``, ``<route>(obj, None)`` for the weight routes)."""
 
 
 class RequestSchemaError(ValueError):
