@@ -15,7 +15,7 @@ from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, requi
 from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.membership import Membership, ShardRanks, plan_membership
-from refit_nccl.participants import ActorParticipant, LocalParticipant, Participant
+from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_nccl.plan import Bucket, Slot, TransferPlan
 from refit_nccl.storage import PlanStorage, StagingBuffers
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer

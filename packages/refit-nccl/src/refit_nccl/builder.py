@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from refit_core import SynchronizerRequest
 from refit_core.protocols import ClusterLike, PolicyLike
 from refit_nccl.endpoint import TrainerEndpoint
-from refit_nccl.participants import ActorParticipant, LocalParticipant, Participant
+from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
 
 __all__ = ["CollectiveGeneration", "CollectivePolicy", "build_collective_synchronizer"]
@@ -33,7 +33,7 @@ class CollectivePolicy(Protocol):
 @runtime_checkable
 class CollectiveGeneration(Protocol):
     """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods,
-    or ready-made :class:`~refit_nccl.participants.Participant` objects (vLLM engines:
+    or ready-made :class:`~refit_core.participants.Participant` objects (vLLM engines:
     :class:`refit_nccl.vllm.VllmCollectiveGeneration`)."""
 
     def collective_shards(self) -> Mapping[int, Sequence[Any]]:

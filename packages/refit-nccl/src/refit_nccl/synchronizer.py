@@ -33,7 +33,7 @@ from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
-from refit_nccl.participants import Gathered, Participant, gather
+from refit_core.participants import Gathered, Participant, gather
 
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 

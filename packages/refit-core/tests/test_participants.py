@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from refit_core import RefitTimeoutError
-from refit_nccl.participants import LocalParticipant, gather
+from refit_core.participants import LocalParticipant, gather
 
 
 class Endpoint:
