@@ -1,11 +1,13 @@
-"""Both rows against real SGLang servers on a GPU (``gpu``; skipped elsewhere).
+"""Both rows against real SGLang on a GPU (``gpu``; skipped elsewhere): HTTP servers, and
+the colocated row into an ``sglang.Engine`` in the test's process through ``EngineClient``.
 
 Needs ``sglang`` importable, a CUDA GPU, and ``REFIT_SGLANG_MODEL``: the path of a small
-local Hugging Face checkpoint (safetensors) the server can load without a network. The trainer
+local Hugging Face checkpoint (safetensors) the engine can load without a network. The trainer
 holds that checkpoint's tensors (bf16); a refit first moves perturbed weights, checked bitwise
-through ``/get_weights_by_name``, then the original weights, after which greedy generation
-must equal the server's generation before any refit (so every tensor and the cache flush
-made it). The disaggregated row needs a second GPU: NCCL refuses two ranks on one device.
+through ``get_weights_by_name`` and the served weight version through ``get_model_info``, then
+the original weights, after which greedy generation must equal the engine's generation before
+any refit (so every tensor and the cache flush made it). The disaggregated row needs a second
+GPU: NCCL refuses two ranks on one device.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,12 +27,13 @@ import torch
 
 from refit_core import WeightSynchronizer, create_weight_synchronizer
 from refit_core.sources import StateDictSource
-from refit_sglang import ColocatedOptions, ColocatedSGLangSynchronizer, HttpClient
+from refit_sglang import ColocatedOptions, ColocatedSGLangSynchronizer, EngineClient, HttpClient
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 _START_TIMEOUT_S = 600.0
 _PROMPT = "The capital of France is"
+_GREEDY = {"temperature": 0, "max_new_tokens": 16}
 _PROBED = ("embed_tokens.weight", "layernorm.weight", "o_proj.weight", "down_proj.weight")
 """Tensors read back through ``/get_weights_by_name``: those SGLang keeps under the
 checkpoint's name (it fuses q/k/v and gate/up into other parameters)."""
@@ -118,35 +122,70 @@ def server(model: Path) -> Iterator[Callable[[int], str]]:
             process.kill()
 
 
-def _generate(url: str) -> str:
-    body = {"text": _PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
-    reply = httpx.post(f"{url}/generate", json=body, timeout=120)
+class _Served:
+    """What a test reads from one engine: greedy text, a tensor, the weight version."""
+
+    def __init__(
+        self,
+        generate: Callable[[], str],
+        read: Callable[[str, int], object],
+        version: Callable[[], object],
+    ) -> None:
+        self.generate, self.read, self.version = generate, read, version
+
+    @classmethod
+    def over_http(cls, url: str) -> _Served:
+        def generate() -> str:
+            body = {"text": _PROMPT, "sampling_params": _GREEDY}
+            return str(_http(httpx.post(f"{url}/generate", json=body, timeout=120))["text"])
+
+        def read(name: str, numel: int) -> object:
+            body = {"name": name, "truncate_size": numel}
+            return _http(httpx.post(f"{url}/get_weights_by_name", json=body, timeout=120))
+
+        def version() -> object:
+            return _http(httpx.get(f"{url}/get_model_info", timeout=60))["weight_version"]
+
+        return cls(generate, read, version)
+
+    @classmethod
+    def in_process(cls, engine: Any) -> _Served:
+        """``sglang.Engine``'s own ``generate``, ``get_weights_by_name``, ``get_model_info``."""
+        return cls(
+            lambda: str(engine.generate(prompt=_PROMPT, sampling_params=_GREEDY)["text"]),
+            lambda name, numel: engine.get_weights_by_name(name, truncate_size=numel),
+            lambda: engine.get_model_info()["weight_version"],
+        )
+
+
+def _http(reply: httpx.Response) -> Any:
     reply.raise_for_status()
-    return str(reply.json()["text"])
+    return reply.json()
 
 
-def _check_bitwise(url: str, policy: _Checkpoint) -> None:
+def _check_bitwise(served: _Served, policy: _Checkpoint) -> None:
     """The probed tensors read back equal to the trainer's (bf16 -> float is exact)."""
     probed = [name for name in sorted(policy.state) if name.endswith(_PROBED)]
     assert probed, "no tensor to read back"
     for name in probed[:8]:
         tensor = policy.state[name]
-        body = {"name": name, "truncate_size": tensor.numel()}
-        reply = httpx.post(f"{url}/get_weights_by_name", json=body, timeout=120)
-        reply.raise_for_status()
-        served = torch.tensor(reply.json(), dtype=torch.float32).reshape(-1)
-        assert torch.equal(served, tensor.float().reshape(-1)[: served.numel()]), name
+        values = torch.tensor(served.read(name, tensor.numel()), dtype=torch.float32).reshape(-1)
+        assert torch.equal(values, tensor.float().reshape(-1)[: values.numel()]), name
 
 
-def _refit_twice(synchronizer: WeightSynchronizer, policy: _Checkpoint, urls: list[str]) -> None:
-    before = [_generate(url) for url in urls]
+def _refit_twice(
+    synchronizer: WeightSynchronizer, policy: _Checkpoint, engines: list[_Served]
+) -> None:
+    before = [served.generate() for served in engines]
     policy.perturb()
     assert synchronizer.sync_weights().version == 1
-    for url in urls:
-        _check_bitwise(url, policy)
+    for served in engines:
+        _check_bitwise(served, policy)
+        assert served.version() == "1"
     policy.restore()
     assert synchronizer.sync_weights().version == 2
-    assert [_generate(url) for url in urls] == before
+    assert [served.generate() for served in engines] == before
+    assert [served.version() for served in engines] == ["2"] * len(engines)
 
 
 def test_colocated_cuda_ipc(model: Path, server: Callable[[int], str]) -> None:
@@ -157,7 +196,7 @@ def test_colocated_cuda_ipc(model: Path, server: Callable[[int], str]) -> None:
     with ColocatedSGLangSynchronizer(
         policy, clients, refit_timeout_s=300, options=options
     ) as synchronizer:
-        _refit_twice(synchronizer, policy, [url])
+        _refit_twice(synchronizer, policy, [_Served.over_http(url)])
 
 
 def test_disaggregated_nccl(model: Path, server: Callable[[int], str]) -> None:
@@ -168,4 +207,23 @@ def test_disaggregated_nccl(model: Path, server: Callable[[int], str]) -> None:
     with create_weight_synchronizer(
         policy, [url], "sglang", colocated=False, refit_buffer_size_gb=0.05, refit_timeout_s=300
     ) as synchronizer:
-        _refit_twice(synchronizer, policy, [url])
+        _refit_twice(synchronizer, policy, [_Served.over_http(url)])
+
+
+def test_colocated_in_process_engine(model: Path) -> None:
+    """The colocated row into an ``sglang.Engine`` in this process: ``EngineClient`` drives
+    its TokenizerManager on ``engine.loop`` (pause with a mode, versioned updates)."""
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=str(model), mem_fraction_static=0.3, disable_cuda_graph=True, dtype="bfloat16"
+    )
+    try:
+        policy = _Checkpoint(model)
+        options = ColocatedOptions(bucket_size_bytes=64 << 20, device="cuda")
+        with ColocatedSGLangSynchronizer(
+            policy, [EngineClient(engine)], options=options
+        ) as synchronizer:
+            _refit_twice(synchronizer, policy, [_Served.in_process(engine)])
+    finally:
+        engine.shutdown()
