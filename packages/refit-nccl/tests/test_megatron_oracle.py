@@ -1,0 +1,95 @@
+"""Refit's reshard against Megatron-Core's own: ``dist_checkpointing`` saved at the source
+layout and loaded at the destination layout, compared bitwise on every destination rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from refit_lab.ray_cluster import free_port
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core (refit-nccl[megatron]) is not installed (an isolated package venv)",
+)
+
+TESTS = Path(__file__).parent
+LAUNCH = "import sys, megatron_oracle; megatron_oracle.main(*sys.argv[1:])"
+"""Run with ``-c``: Megatron's checkpoint writer spawns a multiprocessing manager, and a spawned
+process re-imports a main script (torch, megatron-core: seconds per rank); ``-c`` has none."""
+LAUNCH_S = 280.0
+CASES: dict[str, dict[str, Any]] = {
+    "tp2->1": {"src": {"tp": 2}, "dst": {"tp": 1}},
+    "tp1->2": {"src": {"tp": 1}, "dst": {"tp": 2}},
+    "tp4->2": {"src": {"tp": 4}, "dst": {"tp": 2}},
+    "pp2->1": {"src": {"pp": 2}, "dst": {"pp": 1}},
+}
+
+
+def _dir_name(case: str) -> str:
+    return case.replace("->", "_to_")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the oracle's and refit's ranks for every case once; the directory of their files."""
+    out = tmp_path_factory.mktemp("megatron_oracle")
+    cases = [
+        {"name": _dir_name(name), "port": free_port(), "colocated": False, **case}
+        for name, case in CASES.items()
+    ]
+    cases[0]["oracle_port"] = free_port()
+    log = out / "launcher.log"
+    with log.open("wb") as sink:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, json.dumps(cases), str(out)],
+            cwd=TESTS,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = launcher.wait(LAUNCH_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+            code = None
+    if code != 0:
+        pytest.fail(f"oracle launcher exited {code}:\n{log.read_text(errors='replace')[-8000:]}")
+    return out
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return tensors
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_reshard_is_bitwise_equal_to_megatron_dist_checkpointing(results: Path, case: str) -> None:
+    folder = results / _dir_name(case)
+    oracle_files = sorted(folder.glob("oracle*.pt"))
+    refit_files = sorted(folder.glob("refit*.pt"))
+    assert oracle_files
+    assert [f.name[len("oracle") :] for f in oracle_files] == [
+        f.name[len("refit") :] for f in refit_files
+    ]
+    for oracle_file, refit_file in zip(oracle_files, refit_files, strict=True):
+        oracle, refit = _load(oracle_file), _load(refit_file)
+        assert sorted(refit) == sorted(oracle), oracle_file.name
+        for name, expected in oracle.items():
+            got = refit[name]
+            assert (got.dtype, got.shape) == (expected.dtype, expected.shape), name
+            assert expected.count_nonzero() > 0, f"{name}: megatron loaded nothing"
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (
+                f"{refit_file.name} {name} differs from megatron-core's"
+            )
