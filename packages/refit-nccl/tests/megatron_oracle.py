@@ -5,7 +5,11 @@ Oracle: every rank of a ``torch.distributed`` gloo world builds Megatron-Core's 
 shards through Megatron's own sharded state dict (per-layer keys), saves it with
 ``dist_checkpointing.save``, rebuilds the model at the destination layout, loads the
 checkpoint with ``dist_checkpointing.load`` and writes what Megatron-Core loaded for each
-destination rank (data-parallel rank 0) to ``<out>/<case>/oracle<rank>.pt``.
+destination rank (data-parallel rank 0) to ``<out>/<case>/oracle<rank>.pt``. It also writes how
+Megatron's own modules read the loaded fused weights (``<out>/<case>/split<rank>.pt``): the
+query, key and value heads ``SelfAttention.get_query_key_value_tensors`` makes of
+``linear_qkv`` and the gate and up halves of ``linear_fc1`` (``torch.chunk(x, 2, -1)``, as
+``MLP.forward``'s gated unit), each fed the identity so the outputs are the weight rows.
 
 What the oracle replaces in megatron-core 0.16.1 (none of it touches what is written):
 
@@ -62,9 +66,9 @@ def _patch_megatron() -> None:
     filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
-def _model(par: Parallelism) -> tuple[dict[str, Any], int, bool]:
-    """Megatron's sharded state dict of its GPT model at ``par`` (tensors only), this rank's
-    rank in refit's layout without data parallelism, and whether it is on data-parallel rank 0."""
+def _model(par: Parallelism) -> tuple[Any, dict[str, Any], int, bool]:
+    """Megatron's GPT model at ``par``, its sharded state dict (tensors only), this rank's rank
+    in refit's layout without data parallelism, and whether it is on data-parallel rank 0."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.models.gpt import GPTModel
@@ -103,14 +107,14 @@ def _model(par: Parallelism) -> tuple[dict[str, Any], int, bool]:
     sharded = model.sharded_state_dict(metadata={"non_homogeneous_layers": True})
     tensors = {k: v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    return tensors, par.rank(tp_rank, 0, pp_rank), ps.get_data_parallel_rank() == 0
+    return model, tensors, par.rank(tp_rank, 0, pp_rank), ps.get_data_parallel_rank() == 0
 
 
 def _save(case: Case, out: Path) -> None:
     from megatron.core import dist_checkpointing
 
     src = Parallelism(**case["src"])
-    sharded, rank, _ = _model(src)
+    _, sharded, rank, _ = _model(src)
     shard = megatron_shard(natural_state(CONFIG, SEED), CONFIG, src, rank)
     keys = {local: entry.key for local, entry in sharded.items()}
     if sorted(keys.values()) != sorted(shard):
@@ -128,14 +132,31 @@ def _save(case: Case, out: Path) -> None:
 def _load(case: Case, out: Path) -> None:
     from megatron.core import dist_checkpointing
 
-    sharded, rank, writes = _model(Parallelism(**case["dst"]))
+    model, sharded, rank, writes = _model(Parallelism(**case["dst"]))
     keys = {local: entry.key for local, entry in sharded.items()}
     with torch.no_grad():
         for entry in sharded.values():
             entry.data.zero_()
     loaded = dist_checkpointing.load(sharded, str(out / "ckpt"))
+    model.load_state_dict(loaded, strict=False)
     if writes:
         torch.save({keys[k]: v for k, v in loaded.items()}, out / f"oracle{rank}.pt")
+        torch.save(_split_by_megatron(model), out / f"split{rank}.pt")
+
+
+@torch.no_grad()
+def _split_by_megatron(model: Any) -> dict[str, torch.Tensor]:
+    """``<layer>.<q|k|v|gate|up>`` -> this rank's rows of it, as Megatron's modules read them."""
+    eye = torch.eye(CONFIG.hidden, dtype=torch.bfloat16).unsqueeze(1)  # [tokens, batch 1, hidden]
+    out: dict[str, torch.Tensor] = {}
+    for layer in model.decoder.layers:
+        i = layer.layer_number - 1  # global, 1-based
+        q, k, v = layer.self_attention.get_query_key_value_tensors(eye)
+        fc1, _ = layer.mlp.linear_fc1(eye)
+        gate, up = torch.chunk(fc1, 2, dim=-1)
+        for name, rows in {"q": q, "k": k, "v": v, "gate": gate, "up": up}.items():
+            out[f"{i}.{name}"] = rows.reshape(CONFIG.hidden, -1).T.contiguous()
+    return out
 
 
 def oracle_rank(rank: int, port: int, cases: list[Case], out_dir: Path) -> None:

@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_model import CONFIG, natural_state
+from megatron_workers import SEED
 from refit_lab.ray_cluster import free_port
+from refit_nccl.megatron.gpt import Parallelism
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron.core") is None,
@@ -92,4 +95,36 @@ def test_reshard_is_bitwise_equal_to_megatron_dist_checkpointing(results: Path, 
             assert expected.count_nonzero() > 0, f"{name}: megatron loaded nothing"
             assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (
                 f"{refit_file.name} {name} differs from megatron-core's"
+            )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_megatron_reads_the_natural_weights_from_the_fused_ones(results: Path, case: str) -> None:
+    """The test model's fused qkv and gate_up are laid out as Megatron's modules read them."""
+    dst = Parallelism(**CASES[case]["dst"])
+    natural = natural_state(CONFIG, SEED)
+    splits = sorted((results / _dir_name(case)).glob("split*.pt"))
+    assert len(splits) == dst.tp * dst.pp
+    for split_file in splits:
+        rank = int(split_file.stem[len("split") :])
+        tp_rank, stage = rank % dst.tp, rank // dst.tp
+        per_stage = CONFIG.layers // dst.pp
+        split = _load(split_file)
+        layers = range(stage * per_stage, (stage + 1) * per_stage)
+        expected = {
+            f"{i}.{part}": natural[f"{i}.{key}"].chunk(dst.tp)[tp_rank]
+            for i in layers
+            for part, key in {
+                "q": "q",
+                "k": "k",
+                "v": "v",
+                "gate": "mlp.gate",
+                "up": "mlp.up",
+            }.items()
+        }
+        assert sorted(split) == sorted(expected), split_file.name
+        for name, rows in expected.items():
+            assert torch.equal(split[name].view(torch.int16), rows.view(torch.int16)), (
+                f"{split_file.name} {name}: Megatron reads other rows"
             )
