@@ -103,6 +103,18 @@ def test_a_call_from_inside_the_engine_loop_is_refused(engine: StandInEngine) ->
     assert _served(engine).calls == []
 
 
+def test_a_failed_flush_reply_is_a_worker_error(engine: StandInEngine) -> None:
+    """``flush_cache`` answers a ``FlushCacheReqOutput``; its ``success=False`` is a failure."""
+
+    def refuse(**_: object) -> None:
+        raise RuntimeError("requests still running")
+
+    _served(engine)._flush_cache = refuse  # type: ignore[method-assign]
+    client = EngineClient(engine, io_struct=IO_STRUCT)
+    with pytest.raises(WorkerError, match="flush_cache: RuntimeError: requests still running"):
+        client.call("flush_cache", {}, None)
+
+
 def test_a_failed_struct_is_a_worker_error(engine: StandInEngine) -> None:
     client = EngineClient(engine, io_struct=IO_STRUCT)
     with pytest.raises(WorkerError, match="update_weights_from_distributed: TypeError"):

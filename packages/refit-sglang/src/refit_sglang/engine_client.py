@@ -196,7 +196,7 @@ class _MethodCalls(_Calls):
         signature = inspect.signature(method)
         renames = _METHOD_ARGUMENT_NAMES.get(route, {})
         refused = []
-        for field in REFIT_FIELDS[route]:
+        for field in REFIT_FIELDS.get(route, ()):
             try:
                 signature.bind_partial(**{renames.get(field, field): None})
             except TypeError:
