@@ -57,13 +57,18 @@ RUN_S = 240.0
 Case = dict[str, Any]
 
 
-def _patch_megatron() -> None:
-    """The CUDA calls of a save, and where its write results queue is served (module doc)."""
+def _patch_megatron() -> Any:
+    """The CUDA calls of a save, and where its write results queue is served (module doc).
+
+    Returns the manager serving the queue (shut it down when done).
+    """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_device = lambda: "cpu"
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    manager = multiprocessing.get_context("fork").Manager()
+    filesystem_async._results_queue = manager.Queue()
+    return manager
 
 
 def _model(par: Parallelism) -> tuple[Any, dict[str, Any], int, bool]:
@@ -161,7 +166,14 @@ def _split_by_megatron(model: Any) -> dict[str, torch.Tensor]:
 
 def oracle_rank(rank: int, port: int, cases: list[Case], out_dir: Path) -> None:
     """One rank of the oracle: save and load every case."""
-    _patch_megatron()
+    manager = _patch_megatron()
+    try:
+        _run_cases(rank, port, cases, out_dir)
+    finally:
+        manager.shutdown()
+
+
+def _run_cases(rank: int, port: int, cases: list[Case], out_dir: Path) -> None:
     started = time.monotonic()
     torch.distributed.init_process_group(
         "gloo",

@@ -3,6 +3,7 @@ layout and loaded at the destination layout, compared bitwise on every destinati
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -61,11 +62,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
             start_new_session=True,
         )
         try:
-            code = launcher.wait(LAUNCH_S)
+            code: int | None = launcher.wait(LAUNCH_S)
         except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
             code = None
+        finally:  # whatever is left of its session: ranks, Megatron's writer and manager processes
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
     if code != 0:
         pytest.fail(f"oracle launcher exited {code}:\n{log.read_text(errors='replace')[-8000:]}")
     return out
