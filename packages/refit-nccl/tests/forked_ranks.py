@@ -42,18 +42,21 @@ def run_ranks(
     end = time.monotonic() + timeout_s
     try:
         while pids:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                if time.monotonic() > end:
-                    tails = "".join(_tail(logs[r]) for r in sorted(pids.values()))
-                    raise RankFailedError(f"{tag}: ranks {sorted(pids.values())} "
-                                          f"still running after {timeout_s} s\n{tails}")  # fmt: skip
-                time.sleep(POLL_S)
-                continue
-            rank = pids.pop(pid)
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0:
-                raise RankFailedError(f"{tag} rank {rank} exited {code}\n{_tail(logs[rank])}")
+            for pid, rank in list(pids.items()):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if not done:
+                    continue
+                del pids[pid]
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:
+                    raise RankFailedError(f"{tag} rank {rank} exited {code}\n{_tail(logs[rank])}")
+            if pids and time.monotonic() > end:
+                late = sorted(pids.values())
+                tails = "".join(_tail(logs[rank]) for rank in late)
+                raise RankFailedError(
+                    f"{tag}: ranks {late} still running after {timeout_s} s\n{tails}"
+                )
+            time.sleep(POLL_S)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
