@@ -19,21 +19,23 @@ from typing import Any
 
 import torch
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core.participants import LocalParticipant
+from refit_core.sources import StateDictSource
+from refit_core.types import WeightVersion
 from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
     CurveConfig,
-    ProducerShard,
     RelayCoordinator,
     RelayTuning,
+    ShardProducer,
     TensorReceiver,
     TransferOptions,
     TransferResult,
     ZmqSparseRefitServer,
     run_transfer,
 )
-from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
+from refit_zmq.tracker import TrackerConfig
 
 KEY_VAR = "REFIT_TEST_RELAY_KEY"
 KEY = "relay-test-key-7f3a"
@@ -76,10 +78,6 @@ def step_state(state: State, seed: int, density: float = 0.01) -> State:
 def digests(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Per-tensor bitwise digests."""
     return {name: tensor_digest(tensor) for name, tensor in state.items()}
-
-
-def spec_of(state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
-    return {name: TensorSpec.of(tensor) for name, tensor in state.items()}
 
 
 @dataclass(frozen=True)
@@ -242,7 +240,7 @@ class Trainer:
     version: int
     shard_count: int = 1
     bucket_bytes: int = 256 * KiB
-    shards: list[ProducerShard] = field(default_factory=list)
+    shards: list[ShardProducer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for rank in range(self.shard_count):
@@ -253,9 +251,18 @@ class Trainer:
                 max_item_bytes=self.bucket_bytes // 2,
                 threads=1,
             )
-            tracker = DeltaCompressionTracker(spec_of(self.state), config)
-            tracker.load_baseline(self.state, WeightVersion(self.version))
-            self.shards.append(ProducerShard(tracker, lambda: self.state))
+            producer = ShardProducer(self)
+            producer.refit_init(config)
+            producer.tracker.load_baseline(self.state, WeightVersion(self.version))
+            self.shards.append(producer)
+        self.participants = [
+            LocalParticipant(producer, f"producer {rank}")
+            for rank, producer in enumerate(self.shards)
+        ]
+
+    def weight_source(self) -> StateDictSource:
+        """The current state (what the producers stream)."""
+        return StateDictSource(self.state)
 
     def step(self, seed: int, density: float = 0.01) -> None:
         """Move the trainer's state on (not its version: that moves on commit)."""
@@ -274,7 +281,7 @@ class Trainer:
         options = TransferOptions(api_key_env_var, timeout_s, TUNING, curve, 32)
         result = run_transfer(
             coordinator,
-            self.shards,
+            self.participants,
             target_version=self.version + 1,
             resync=resync,
             options=options,
@@ -284,8 +291,9 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        for shard in self.shards:
-            shard.tracker.close()
+        for producer, participant in zip(self.shards, self.participants, strict=True):
+            producer.refit_close()
+            participant.close()
 
 
 def fresh_trainer(

@@ -23,6 +23,9 @@ from refit_zmq.relay import (
     new_transfer_id,
     stream_sparse_delta_payloads_via_zmq,
 )
+from refit_zmq.relay.auth import Signer
+from refit_zmq.relay.control import ControlChannel
+from refit_zmq.relay.frames import Kind
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -180,3 +183,39 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
             if trainer is not None:
                 trainer.close()
             coordinator.close()
+
+
+def test_subtree_flush_of_the_root_reports_every_relay_of_its_tree(
+    fleet: RelayFleet, coordinator: RelayCoordinator
+) -> None:
+    trainer = fresh_trainer(coordinator, seed=13)
+    channel = ControlChannel(signer=Signer(None), tuning=TUNING)
+    try:
+        trainer.step(seed=130)
+        result = trainer.transfer(coordinator)
+        transfer_id = next(iter(result.outcome.reports.values()))["transfer_id"]
+        payloads = result.total("payloads")
+        tree = RelayTree.of(fleet.addresses, TUNING.fanout)
+        root, leaf = fleet.addresses[0], fleet.addresses[-1]
+        assert not tree.children(root, leaf), "the last relay is a leaf of the root's tree"
+
+        def subtree_of(relay: str) -> dict[str, dict[str, object]]:
+            fields = {
+                "transfer_id": transfer_id,
+                "expected_payloads": payloads,
+                "wait_s": 5.0,
+                "subtree": True,
+            }
+            reply = channel.call({relay: (Kind.FLUSH, fields)}, reply_within_s=30.0)[relay]
+            assert isinstance(reply, dict), reply
+            relays: dict[str, dict[str, object]] = reply["relays"]
+            return relays
+
+        everyone = subtree_of(root)
+        assert set(everyone) == set(fleet.addresses), "the root's subtree is the whole tree"
+        assert all(r["complete"] and r["applied"] == payloads for r in everyone.values())
+        assert all(r["transfer_id"] == transfer_id for r in everyone.values())
+        assert set(subtree_of(leaf)) == {leaf}, "a leaf's subtree is itself"
+    finally:
+        channel.close()
+        trainer.close()

@@ -57,6 +57,9 @@ def test_flush_reports_what_was_applied_and_what_is_missing(
             [],
         )
         assert report["bytes_received"] == sum(p.nbytes for p in payloads)
+        assert server.flush_subtree(transfer_id, len(payloads)) == {address: report}, (
+            "a relay without children is its own subtree"
+        )
         late = server.flush(transfer_id, len(payloads) + 1, timeout_s=0.3)
         assert late["complete"] is False and late["failures"][-1]["code"] == "TIMEOUT"
         receiver.commit(transfer_id)

@@ -8,8 +8,9 @@ from typing import Any
 
 import ray
 
-from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_zmq.relay import RelayTuning
+from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
+from refit_lab.trainer import SimulatedTrainer
+from refit_zmq.relay import RelayTuning, ShardProducer
 from refit_zmq.sparse import EngineRelay
 
 CONFIG = ReferenceModelConfig(vocab_size=256, hidden_size=64, num_layers=2, intermediate_size=128)
@@ -81,3 +82,44 @@ class EngineFleet:
     def close(self) -> None:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
+
+
+class TrainerRank(ShardProducer):
+    """A data-parallel trainer rank: a replica of the trainer, producing its shard."""
+
+    def __init__(self, checkpoint_seed: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.trainer = SimulatedTrainer(random_checkpoint(CONFIG, checkpoint_seed))
+        super().__init__(self.trainer)
+
+    def step(self) -> None:
+        self.trainer.step()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+RemoteTrainerRank = ray.remote(TrainerRank)
+
+
+class RayTrainer:
+    """A trainer whose ranks are Ray actors (a ``ZmqProducerPolicy``)."""
+
+    def __init__(self, ranks: int, checkpoint_seed: int) -> None:
+        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 0}
+        self.ranks = [
+            RemoteTrainerRank.options(**options).remote(checkpoint_seed) for _ in range(ranks)
+        ]
+        ray.get([rank.pid.remote() for rank in self.ranks], timeout=120)  # started
+
+    def zmq_producers(self) -> list[Any]:
+        return list(self.ranks)
+
+    def step(self) -> None:
+        ray.get([rank.step.remote() for rank in self.ranks], timeout=120)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)

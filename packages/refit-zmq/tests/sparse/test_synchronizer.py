@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 import ray
-from sparse_actors import CONFIG, EngineFleet
+from sparse_actors import CONFIG, EngineFleet, RayTrainer
 
-from refit_core import RefitTimeoutError, create_weight_synchronizer
+from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
 from refit_lab.conformance import RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.reference_engine import random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_zmq.relay import RelayTuning
-from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
+from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer, shard_producers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,7 +73,10 @@ class TestZmqSparseConformance(SynchronizerConformance):
 
 def _synchronizer(trainer: SimulatedTrainer, engines: EngineFleet) -> ZmqSparseWeightSynchronizer:
     return ZmqSparseWeightSynchronizer(
-        trainer, engines.relay_addresses, refit_timeout_s=60.0, options=OPTIONS
+        shard_producers(trainer, OPTIONS.shard_count),
+        engines.relay_addresses,
+        refit_timeout_s=60.0,
+        options=OPTIONS,
     )
 
 
@@ -125,3 +128,50 @@ def test_dead_relay_is_named_then_left_out(engines: EngineFleet) -> None:
         result = synchronizer.sync_weights()
         assert {w.worker for w in result.workers} == set(engines.relay_addresses()[:2])
         assert _bitwise(engines, trainer)[:2] == [True, True]
+
+
+def _ray_synchronizer(trainer: RayTrainer, engines: EngineFleet) -> Any:
+    return create_weight_synchronizer(
+        trainer,
+        engines,
+        "vllm",
+        False,
+        train_cluster=LocalCluster(len(trainer.ranks)),
+        inference_cluster=LocalCluster(3),
+        refit_timeout_s=30.0,
+        transport="zmq_sparse",
+    )
+
+
+def test_trainer_ranks_on_ray_each_stream_their_shard(engines: EngineFleet) -> None:
+    engines.reset(seed=500)
+    ranks = RayTrainer(2, checkpoint_seed=5)
+    twin = SimulatedTrainer(random_checkpoint(CONFIG, 5))  # the ranks' replica, stepped alike
+    try:
+        with _ray_synchronizer(ranks, engines) as synchronizer:
+            first = synchronizer.sync_weights()
+            assert first.ok and _bitwise(engines, twin) == [True] * 3
+            ranks.step()
+            twin.step()
+            second = synchronizer.sync_weights()
+            assert second.ok and _bitwise(engines, twin) == [True] * 3
+            assert 0 < second.wire_bytes < second.dense_bytes / 4, "each rank sent its delta"
+            assert engines.call("weight_version") == [second.version] * 3
+    finally:
+        ranks.close()
+
+
+def test_dead_trainer_rank_is_named_and_engines_keep_their_version(engines: EngineFleet) -> None:
+    engines.reset(seed=600)
+    ranks = RayTrainer(2, checkpoint_seed=6)
+    twin = SimulatedTrainer(random_checkpoint(CONFIG, 6))
+    try:
+        with _ray_synchronizer(ranks, engines) as synchronizer:
+            committed = synchronizer.sync_weights().version
+            ray.kill(ranks.ranks[1], no_restart=True)
+            with pytest.raises(WorkerError, match="trainer rank 1"):
+                synchronizer.sync_weights()
+            assert engines.call("weight_version") == [committed] * 3
+            assert _bitwise(engines, twin) == [True] * 3, "nothing was half applied"
+    finally:
+        ranks.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import math
 import multiprocessing.connection
@@ -39,7 +38,9 @@ import numpy as np
 import torch
 import zmq
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core.participants import LocalParticipant, Participant
+from refit_core.sources import StateDictSource
+from refit_core.types import WeightVersion
 from refit_lab.bench.codec import Trajectory, calibrate_lr
 from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
 from refit_lab.bench.references import _FILL, MiB, _zmq_receiver, zmq_stream_gbps
@@ -52,9 +53,9 @@ from refit_lab.reference_engine import (
 )
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
-    ProducerShard,
     RelayCoordinator,
     RelayTuning,
+    ShardProducer,
     TransferOptions,
     ZmqSparseRefitClient,
     deliver_payloads,
@@ -325,27 +326,38 @@ class Producing:
     threads: int = 1
 
 
+class _Weights:
+    """The producer's trainer: whichever state the current step sends."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def weight_source(self) -> StateDictSource:
+        return StateDictSource(self.state)
+
+
 def _timed_refit(
     coordinator: RelayCoordinator,
+    producer: Participant,
     tracker: DeltaCompressionTracker,
     client: ZmqSparseRefitClient,
-    state: State,
     version: int,
     step: Step,
+    state: State,
 ) -> dict[str, Any]:
     """One committed refit; its timing and sizes."""
     options = TransferOptions(None, 60.0, TUNING, verification_candidates=0)
     if not step.pre_encoded:
-        shard = ProducerShard(tracker, functools.partial(dict, state))
         started = time.perf_counter()
         result = run_transfer(
-            coordinator, [shard], target_version=version, resync=step.resync, options=options
+            coordinator, [producer], target_version=version, resync=step.resync, options=options
         )
         seconds = time.perf_counter() - started
         applying = sum(float(r["apply_s"]) for r in result.outcome.reports.values())
         return {
             "seconds": seconds,
             "stream_s": result.stream_s,
+            "finish_s": result.finish_s,
             "relays_apply_s": applying,
             **result.shards[0],
         }
@@ -361,6 +373,7 @@ def _timed_refit(
         base_version=None,
         target_version=version,
         verification_candidates=0,
+        senders=TUNING.window_payloads,
     )
     streamed = time.perf_counter()
     outcome = coordinator.finish(transfer_id, stats["payloads"])
@@ -370,7 +383,13 @@ def _timed_refit(
         raise outcome.error()
     tracker.commit()
     applying = sum(float(r["apply_s"]) for r in outcome.reports.values())
-    return {"seconds": seconds, "stream_s": streamed - started, "relays_apply_s": applying, **stats}
+    return {
+        "seconds": seconds,
+        "stream_s": streamed - started,
+        "finish_s": seconds - (streamed - started),
+        "relays_apply_s": applying,
+        **stats,
+    }
 
 
 def produce(
@@ -384,31 +403,38 @@ def produce(
     every relay ends bit-exact with the last state. Runs in the caller's network namespace."""
     base, new = states(config, seed)
     by_name = {"base": base, "new": new}
-    spec = {name: TensorSpec.of(t) for name, t in base.items()}
-    tracker_config = TrackerConfig(
-        bucket_size_bytes=producing.bucket_bytes,
-        max_item_bytes=producing.bucket_bytes // 2,
-        threads=producing.threads,
-        compress=producing.compress,
+    weights = _Weights(base)
+    shard = ShardProducer(weights)
+    shard.refit_init(
+        TrackerConfig(
+            bucket_size_bytes=producing.bucket_bytes,
+            max_item_bytes=producing.bucket_bytes // 2,
+            threads=producing.threads,
+            compress=producing.compress,
+        )
     )
+    producer = LocalParticipant(shard, "producer 0")
     coordinator = RelayCoordinator(api_key=None, timeout_s=60.0, tuning=TUNING)
     client = ZmqSparseRefitClient(
         addresses[0], timeout_s=60.0, producer_id="shard-0", retries=TUNING.retries, tuning=TUNING
     )
     rows: list[dict[str, Any]] = []
-    with DeltaCompressionTracker(spec, tracker_config) as tracker:
-        try:
-            coordinator.configure_tree(list(addresses))
-            for version, step in enumerate(steps, start=1):
-                state = by_name[step.state]
-                timed = _timed_refit(coordinator, tracker, client, state, version, step)
-                rows.append({"case": step.case, **timed})
-            expected = digests(by_name[steps[-1].state])
-            held = coordinator.status(digests=True)
-            exact = all(isinstance(s, dict) and s["digests"] == expected for s in held.values())
-        finally:
-            client.close()
-            coordinator.close()
+    try:
+        coordinator.configure_tree(list(addresses))
+        for version, step in enumerate(steps, start=1):
+            weights.state = by_name[step.state]
+            timed = _timed_refit(
+                coordinator, producer, shard.tracker, client, version, step, weights.state
+            )
+            rows.append({"case": step.case, **timed})
+        expected = digests(by_name[steps[-1].state])
+        held = coordinator.status(digests=True)
+        exact = all(isinstance(s, dict) and s["digests"] == expected for s in held.values())
+    finally:
+        client.close()
+        coordinator.close()
+        shard.refit_close()
+        producer.close()
     return {"rows": rows, "bitexact": exact}
 
 

@@ -16,10 +16,11 @@ from refit_zmq.relay.errors import (
     TreeMismatchError,
 )
 from refit_zmq.relay.frames import PROTOCOL
+from refit_zmq.relay.producer import ShardProducer, StreamOrder, TransferOptions
 from refit_zmq.relay.receiver import Receiver, TensorReceiver
 from refit_zmq.relay.server import ZmqSparseRefitServer
 from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
-from refit_zmq.relay.transfer import ProducerShard, TransferOptions, TransferResult, run_transfer
+from refit_zmq.relay.transfer import TransferResult, run_transfer
 from refit_zmq.relay.tree import RelayTree
 from refit_zmq.relay.tuning import RelayTuning
 
@@ -27,12 +28,13 @@ __all__ = [
     "PROTOCOL",
     "CurveConfig",
     "NackCode",
-    "ProducerShard",
     "Receiver",
     "RelayCoordinator",
     "RelayTree",
     "RelayTuning",
+    "ShardProducer",
     "StaleTransferError",
+    "StreamOrder",
     "TensorReceiver",
     "TransferConflictError",
     "TransferOptions",

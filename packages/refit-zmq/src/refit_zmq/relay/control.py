@@ -48,7 +48,7 @@ class ControlChannel:
     """Sends control requests to relays in parallel and gathers their replies.
 
     Args:
-        api_key: the shared API key (None: relays run without one).
+        signer: signs requests with the shared API key (or with none).
         curve: the relays' CURVE public key, when they encrypt.
         tuning: retries, backoff, high-water mark.
     """
@@ -56,11 +56,11 @@ class ControlChannel:
     def __init__(
         self,
         *,
-        api_key: str | None,
+        signer: Signer,
         curve: CurveConfig | None = None,
         tuning: RelayTuning | None = None,
     ) -> None:
-        self._signer = Signer(api_key)
+        self._signer = signer
         self._curve = None if curve is None else curve.public_only()
         self._tuning = tuning or RelayTuning()
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

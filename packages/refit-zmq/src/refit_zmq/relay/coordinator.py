@@ -25,6 +25,7 @@ from refit_core.errors import (
     StaleBaseError,
     VerificationError,
 )
+from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.control import ControlChannel, Reply
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.frames import Kind
@@ -106,7 +107,7 @@ class RelayCoordinator:
     ) -> None:
         self.timeout_s = timeout_s
         self._tuning = tuning or RelayTuning()
-        self._channel = ControlChannel(api_key=api_key, curve=curve, tuning=self._tuning)
+        self._channel = ControlChannel(signer=Signer(api_key), curve=curve, tuning=self._tuning)
         self._tree: RelayTree | None = None
         self._decisions: OrderedDict[str, bool] = OrderedDict()
 

@@ -1,7 +1,10 @@
 """Cut-through forwarding from a relay to one child relay, driven by the relay's event loop.
 
 Each payload is offered with BEGIN; once the child answers READY, every chunk that has
-arrived so far is streamed and every later one as soon as it arrives. Sends never block:
+arrived so far is streamed and every later one as soon as it arrives. Payloads stream one at
+a time, but the BEGINs of the next ``window_payloads - 1`` queued ones go out ahead, so their
+READY round trip (which may wait behind the child's own queued traffic on a shaped link)
+overlaps the current payload's stream instead of idling the link between payloads. Sends never block:
 when the child's high-water mark is reached the rest waits for POLLOUT, and the payload's
 bytes stay in the parent's staging (counted in its budget) until streamed. A child that
 stops answering for ``timeout_s`` (or fails the security handshake) fails every payload
@@ -137,6 +140,7 @@ class ChildLink:
             self._fail_all(str(exc))
 
     def _pump(self) -> None:
+        self._begin_ahead()
         while True:
             if self._current is None:
                 if not self._queue:
@@ -163,6 +167,16 @@ class ChildLink:
             current.deadline = time.monotonic() + self._timeout_s
             self._unacked[current.key] = current
             self._release(current)
+
+    def _begin_ahead(self) -> None:
+        """Send BEGIN for the queued payloads next in line (within the child's window)."""
+        now = time.monotonic()
+        for forward in list(self._queue)[: max(0, self._tuning.window_payloads - 1)]:
+            if forward.begun or now < forward.retry_at:
+                continue
+            if not self._send_begin(forward):
+                return
+            forward.deadline = now + self._timeout_s
 
     def _send(self, frames: list[Any]) -> bool:
         return self._link.try_send(frames, copy=False)
@@ -240,34 +254,45 @@ class ChildLink:
         current = self._current
         if current is not None and key == current.key:
             if message.kind is Kind.READY:
-                current.accepted = message.number("chunk_bytes", current.staged.total_bytes)
-                current.ready = True
-                current.deadline = time.monotonic() + self._timeout_s
+                self._ready(current, message)
                 return
-            self._current = None
-            self._finish(current, message)
+            if not self._finish(current, message):
+                self._current = None
+            return
+        ahead = next((f for f in self._queue if f.begun and f.key == key), None)
+        if ahead is not None:
+            if message.kind is Kind.READY:
+                self._ready(ahead, message)
+            elif not self._finish(ahead, message):
+                self._queue.remove(ahead)
             return
         forward = self._unacked.pop(key, None)
         if forward is not None and message.kind is not Kind.READY:
             self._finish(forward, message)
 
-    def _finish(self, forward: Forward, message: Message) -> None:
-        """An ACK or NACK for ``forward``."""
+    def _ready(self, forward: Forward, message: Message) -> None:
+        forward.accepted = message.number("chunk_bytes", forward.staged.total_bytes)
+        forward.ready = True
+        forward.deadline = time.monotonic() + self._timeout_s
+
+    def _finish(self, forward: Forward, message: Message) -> bool:
+        """An ACK or NACK for ``forward``; True when it is to be offered again (a retryable
+        NACK before READY: BEGIN again after a backoff), so the caller keeps it in place."""
         if message.kind is Kind.ACK:
             self._release(forward)
             self._events.acked(self.address, forward, message.mapping("result"))
-            return
+            return False
         if message.kind is not Kind.NACK:
-            return
+            return False
         code = NackCode(message.text("code"))
         if code in RETRYABLE and not forward.ready:
             forward.begun = False
             forward.retry_at = time.monotonic() + self._tuning.backoff(forward.attempts - 1)
             forward.deadline = forward.retry_at + self._timeout_s
-            self._current = forward
-            return
+            return True
         self._release(forward)
         self._events.failed(self.address, forward, code, message.text("message"))
+        return False
 
     def expire(self, now: float) -> None:
         """Fail everything if the child has made no progress within the timeout.

@@ -162,6 +162,7 @@ FIELDS: dict[str, Callable[[str, object], None]] = {
     "fanout": _fanout,
     "wait_s": _seconds,
     "digests": _flag,
+    "subtree": _flag,
     "duplicate": _flag,
     "retryable": _flag,
     "code": _code,
@@ -193,7 +194,7 @@ OPTIONAL: dict[Kind, frozenset[str]] = {
     Kind.READY: frozenset({"chunk_bytes"}),
     Kind.DATA: _ROUTING,
     Kind.NACK: _PAYLOAD | {"request_id"},
-    Kind.FLUSH: frozenset({"digests"}),
+    Kind.FLUSH: frozenset({"digests", "subtree"}),
     Kind.STATUS: frozenset({"digests"}),
 }
 """Fields each kind may carry; any other field is refused."""

@@ -20,11 +20,12 @@ class ReceiverJobs:
 
     Args:
         wake: called (from the worker thread) when a job is done, to wake the event loop.
+        name: names the worker thread (``refit-relay-<name>``).
     """
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None], *, name: str = "receiver") -> None:
         self._wake = wake
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="refit-relay-receiver")
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"refit-relay-{name}")
         self._pending: list[tuple[Future[Any], Then]] = []
 
     def submit(self, fn: Callable[[], Any], then: Then) -> None:

@@ -35,6 +35,7 @@ from refit_zmq.relay.link import socket_options
 from refit_zmq.relay.receiver import Receiver, as_receiver
 from refit_zmq.relay.replies import PAYLOAD_FIELDS, Replies
 from refit_zmq.relay.staging import Staging
+from refit_zmq.relay.subtree import Respond, SubtreeFlush
 from refit_zmq.relay.topology import Topology
 from refit_zmq.relay.transactions import TransferControl
 from refit_zmq.relay.tuning import RelayTuning
@@ -63,6 +64,7 @@ class _Parts:
     ledger: Ledger
     intake: PayloadIntake
     control: TransferControl
+    subtree: SubtreeFlush
 
 
 class ZmqSparseRefitServer:
@@ -163,6 +165,9 @@ class ZmqSparseRefitServer:
             timeout_s=self._timeout_s,
             progress=progress,
         )
+        subtree = SubtreeFlush(
+            signer=self._signer, curve=self._curve, tuning=self._tuning, wake=self._wake
+        )
         control = TransferControl(
             receiver=self._receiver,
             jobs=self._jobs,
@@ -171,8 +176,9 @@ class ZmqSparseRefitServer:
             intake=intake,
             topology=self._topology,
             replies=replies,
+            subtree=subtree,
         )
-        return _Parts(context, router, replies, ledger, intake, control)
+        return _Parts(context, router, replies, ledger, intake, control, subtree)
 
     def configure_tree(self, relay_addresses: Sequence[str], *, own_address: str) -> str:
         """Adopt the tree over ``relay_addresses`` (this relay is ``own_address``); its id."""
@@ -193,18 +199,40 @@ class ZmqSparseRefitServer:
             every failure with the relay address and payload id (``complete`` False and a
             TIMEOUT failure when the wait ran out).
         """
+        return self._flush(transfer_id, expected_payloads, timeout_s, subtree=False)
+
+    def _flush(
+        self, transfer_id: str, expected: int, timeout_s: float | None, *, subtree: bool
+    ) -> dict[str, Any]:
         parts = self._parts
         if parts is None:
             raise RuntimeError("relay not started")
         wait_s = self._timeout_s if timeout_s is None else timeout_s
         future: Future[dict[str, Any]] = Future()
+        respond: Respond = future.set_result
+        if subtree:
+            respond = parts.control.with_subtree(wait_s, respond)
         self._commands.put(
-            lambda: parts.control.flush(
-                transfer_id, expected_payloads, wait_s, False, future.set_result
-            )
+            lambda: parts.control.flush(transfer_id, expected, wait_s, False, respond)
         )
         self._wake()
-        return future.result(timeout=wait_s + self._timeout_s)
+        # a subtree is as deep as the tree: each level may wait its own wait_s
+        tree = self._topology.tree
+        depth = len(tree.relays) if subtree and tree is not None else 1
+        return future.result(timeout=depth * (wait_s + 1.0) + self._timeout_s)
+
+    def flush_subtree(
+        self, transfer_id: str, expected_payloads: int = 0, *, timeout_s: float | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """:meth:`flush`, then the same for every relay this one forwarded to, recursively.
+
+        Returns:
+            Relay address -> its report, for this relay and its whole subtree (a child that
+            did not answer has ``complete`` False and an UNREACHABLE failure).
+        """
+        reports = self._flush(transfer_id, expected_payloads, timeout_s, subtree=True)
+        relays: dict[str, dict[str, Any]] = reports["relays"]
+        return relays
 
     def close(self) -> None:
         """Stop serving and close every socket; idempotent."""
@@ -220,6 +248,7 @@ class ZmqSparseRefitServer:
                 return
         self._jobs.close()
         if self._parts is not None:
+            self._parts.subtree.close()
             self._parts.context.term()
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):
@@ -283,6 +312,7 @@ class ZmqSparseRefitServer:
         while not self._commands.empty():
             self._commands.get_nowait()()
         self._jobs.finish()
+        parts.subtree.finish()
         if parts.router in events:
             self._read(parts)
         for child in children:

@@ -44,7 +44,7 @@ def stream_sparse_delta_payloads_via_zmq(
     verification_candidates: int = 64,
     tuning: RelayTuning | None = None,
     curve: CurveConfig | None = None,
-    senders: int = 2,
+    senders: int | None = None,
 ) -> dict[str, int]:
     """Encode this shard's refit and deliver every payload to its root relay.
 
@@ -66,7 +66,8 @@ def stream_sparse_delta_payloads_via_zmq(
         verification_candidates: entries each receiver re-reads per payload (0: none).
         tuning: chunk size, retries, backoff.
         curve: the relays' CURVE public key, when they encrypt.
-        senders: payloads in flight at once (one DEALER each).
+        senders: payloads in flight at once (one DEALER each; default: the tuning's
+            ``window_payloads``, as many as the root stages for one tree).
 
     Returns:
         ``payloads``, ``tensors``, ``changed_elements``, ``wire_bytes`` and ``dense_bytes``.
@@ -77,9 +78,10 @@ def stream_sparse_delta_payloads_via_zmq(
             f"tracker owns shard {config.shard_rank} of {config.shard_count}, "
             f"not {shard_rank} of {shard_count}"
         )
+    tuning = tuning or RelayTuning()
+    senders = tuning.window_payloads if senders is None else senders
     if not refit_targets or senders < 1:
         raise ValueError("need at least one relay and one sender")
-    tuning = tuning or RelayTuning()
     committed = delta_tracker.version
     target = (
         WeightVersion(target_version)

@@ -21,13 +21,12 @@ from refit_zmq.relay.ledger import Ledger, TransferRecord
 from refit_zmq.relay.receiver import Receiver
 from refit_zmq.relay.replies import Replies
 from refit_zmq.relay.staging import Staging
+from refit_zmq.relay.subtree import Respond, SubtreeFlush
 from refit_zmq.relay.topology import Topology
 
 __all__ = ["Respond", "TransferControl"]
 
 logger = logging.getLogger(__name__)
-
-Respond = Callable[[dict[str, Any]], None]
 
 
 @dataclass(eq=False)
@@ -57,6 +56,7 @@ class TransferControl:
         intake: PayloadIntake,
         topology: Topology,
         replies: Replies,
+        subtree: SubtreeFlush,
     ) -> None:
         self._receiver = receiver
         self._jobs = jobs
@@ -65,6 +65,7 @@ class TransferControl:
         self._intake = intake
         self._topology = topology
         self._replies = replies
+        self._subtree = subtree
         self._flushes: list[_FlushWaiter] = []
 
     # -- flush ---------------------------------------------------------------------------
@@ -78,15 +79,24 @@ class TransferControl:
         self.check_flushes()
 
     def on_flush(self, identity: bytes, message: Message) -> None:
-        """FLUSH: answer DONE with the report."""
+        """FLUSH: answer DONE with the report (with ``subtree``: every subtree relay's)."""
         request_id = message.text("request_id")
+        wait_s = message.seconds("wait_s")
+
+        def respond(report: dict[str, Any]) -> None:
+            self._replies.done(identity, request_id, report)
+
         self.flush(
             message.text("transfer_id"),
             message.number("expected_payloads"),
-            message.seconds("wait_s"),
+            wait_s,
             message.flag("digests"),
-            lambda report: self._replies.done(identity, request_id, report),
+            self.with_subtree(wait_s, respond) if message.flag("subtree") else respond,
         )
+
+    def with_subtree(self, wait_s: float, respond: Respond) -> Respond:
+        """A responder that first gathers the subtree's reports around this relay's own."""
+        return lambda report: self._subtree.gather(self._topology.own, report, wait_s, respond)
 
     def _settled(self, waiter: _FlushWaiter) -> bool:
         record = self._ledger.record(waiter.transfer_id)

@@ -1,69 +1,42 @@
-"""One whole transfer: every producer shard streams at once, then the coordinator decides.
+"""One whole transfer: every producer streams its shard at once, then the coordinator decides.
 
-Trackers commit their baselines only after the coordinator committed the transfer on the
-relays; on any failure they are aborted, so the next transfer is again a delta against the
-version every receiver holds (or a dense resync when asked).
+Producers are :class:`~refit_zmq.relay.producer.ShardProducer` objects reached as
+participants (Ray actors on the trainer ranks, or objects in this process). Their trackers
+commit their baselines only after the coordinator committed the transfer on the relays; on
+any failure they are aborted, so the next transfer is again a delta against the version
+every receiver holds (or a dense resync when asked).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from refit_core.types import NamedTensor
+from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
+from refit_core.participants import Participant, gather
 from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.streaming import stream_sparse_delta_payloads_via_zmq
-from refit_zmq.relay.tuning import RelayTuning
-from refit_zmq.tracker import DeltaCompressionTracker
+from refit_zmq.relay.producer import StreamOrder, TransferOptions
 
-__all__ = ["ProducerShard", "TransferOptions", "TransferResult", "run_transfer"]
+__all__ = ["TransferResult", "run_transfer"]
 
 logger = logging.getLogger(__name__)
-
-Tensors = Iterable[NamedTensor] | Mapping[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ProducerShard:
-    """One producer: its tracker and a fresh stream of the new weights."""
-
-    tracker: DeltaCompressionTracker
-    tensors: Callable[[], Tensors]
-
-
-@dataclass(frozen=True)
-class TransferOptions:
-    """How producers stream.
-
-    Attributes:
-        api_key_env_var: the environment variable holding the API key (None: no key).
-        timeout_s: longest wait for one reply.
-        tuning: chunk size, fan-out, retries.
-        curve: the relays' CURVE public key, when they encrypt.
-        verification_candidates: entries each receiver re-reads per payload (0: none).
-    """
-
-    api_key_env_var: str | None
-    timeout_s: float
-    tuning: RelayTuning
-    curve: CurveConfig | None = None
-    verification_candidates: int = 64
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    """A committed transfer: the coordinator's outcome, each shard's counts, the timings."""
+    """A committed transfer: the coordinator's outcome, each producer's counts, the timings.
+
+    ``unsettled`` names the producers that did not confirm their tracker's commit (their
+    next transfer must be a dense resync).
+    """
 
     outcome: TransferOutcome
     shards: list[dict[str, int]]
     stream_s: float
     finish_s: float
+    unsettled: tuple[str, ...] = ()
 
     def total(self, key: str) -> int:
         """A count summed over the shards (``payloads``, ``wire_bytes``, ...)."""
@@ -72,59 +45,75 @@ class TransferResult:
 
 def run_transfer(
     coordinator: RelayCoordinator,
-    shards: Sequence[ProducerShard],
+    producers: Sequence[Participant],
     *,
     target_version: int,
     resync: bool,
     options: TransferOptions,
     expected_digests: Mapping[str, int] | None = None,
+    wait_s: float | None = None,
 ) -> TransferResult:
-    """Stream every shard (concurrently, each rooted at its own relay) and finish the transfer.
+    """Let every producer stream (concurrently, each rooted at its own relay) and finish.
+
+    Args:
+        wait_s: longest wait for the producers' streams (the refit's deadline); a producer
+            still streaming then is named as wedged.
 
     Raises:
         RefitError: a producer or a relay failed; the transfer was aborted everywhere, every
-            tracker too, and the error names the relays that failed.
+            tracker too, and the error names the relays or producers that failed.
     """
     transfer_id = new_transfer_id(target_version)
+    order = StreamOrder(transfer_id, coordinator.relays, target_version, resync, options)
     started = time.monotonic()
-    with ThreadPoolExecutor(len(shards), thread_name_prefix="refit-producer") as pool:
-        futures = [
-            pool.submit(
-                stream_sparse_delta_payloads_via_zmq,
-                shard.tensors(),
-                delta_tracker=shard.tracker,
-                refit_targets=coordinator.relays,
-                transfer_id=transfer_id,
-                api_key_env_var=options.api_key_env_var,
-                timeout_s=options.timeout_s,
-                shard_rank=shard.tracker.config.shard_rank,
-                shard_count=shard.tracker.config.shard_count,
-                target_version=target_version,
-                resync=resync,
-                verification_candidates=options.verification_candidates,
-                tuning=options.tuning,
-                curve=options.curve,
-            )
-            for shard in shards
-        ]
-        errors = [f.exception() for f in futures]
+    streams = gather({p: p.call("refit_stream", order) for p in producers}, wait_s)
     streamed = time.monotonic()
-    failed = next((e for e in errors if e is not None), None)
-    if failed is not None:
-        logger.warning("transfer %s: a producer failed (%s); aborting", transfer_id, failed)
+    if not streams.ok:
+        logger.warning("transfer %s: a producer failed; aborting", transfer_id)
         coordinator.abort(transfer_id)
-        for shard in shards:
-            shard.tracker.abort()
-        raise failed
-    stats = [f.result() for f in futures]
+        answered = [p for p in producers if p not in streams.missing]
+        _settle(answered, commit=False, wait_s=options.timeout_s)
+        raise _producer_error(streams.errors, [p.label for p in streams.missing], wait_s)
+    stats = [streams.results[p] for p in producers]
     outcome = coordinator.finish(
         transfer_id, sum(s["payloads"] for s in stats), expected_digests=expected_digests
     )
-    for shard in shards:
-        if outcome.committed:
-            shard.tracker.commit()
-        else:
-            shard.tracker.abort()
+    unsettled = _settle(producers, commit=outcome.committed, wait_s=options.timeout_s)
     if not outcome.committed:
         raise outcome.error()
-    return TransferResult(outcome, stats, streamed - started, time.monotonic() - streamed)
+    return TransferResult(
+        outcome, stats, streamed - started, time.monotonic() - streamed, unsettled
+    )
+
+
+def _settle(
+    producers: Sequence[Participant], *, commit: bool, wait_s: float | None
+) -> tuple[str, ...]:
+    """Commit or abort the producers' trackers; the labels of those that did not confirm.
+
+    A producer still streaming when the transfer failed is not told: its stream fails on the
+    aborted transfer and aborts its tracker itself (or its next stream drops the leftover)."""
+    method = "refit_commit" if commit else "refit_abort"
+    settled = gather({p: p.call(method) for p in producers}, wait_s)
+    failed = (*settled.errors, *settled.missing)
+    if failed:
+        logger.warning("%s failed on producers %s", method, [p.label for p in failed])
+    return tuple(p.label for p in failed)
+
+
+def _producer_error(
+    errors: Mapping[Participant, BaseException], missing: Sequence[str], wait_s: float | None
+) -> RefitError:
+    """The error a failed stream raises: a producer's own refit error first, else a timeout
+    naming the producers that never answered, else the first failure (a dead rank) named."""
+    own = next((e for e in errors.values() if isinstance(e, RefitError)), None)
+    if own is not None:
+        return own
+    if missing:
+        return RefitTimeoutError(
+            f"producers {list(missing)} still streaming after {wait_s} s", wedged_workers=missing
+        )
+    participant, error = next(iter(errors.items()))
+    return WorkerError(
+        f"{type(error).__name__}: {error}", worker=participant.label, operation="refit_stream"
+    )

@@ -1,7 +1,9 @@
 """The factory's builder of the (vllm, non-colocated, ``zmq_sparse``) row.
 
-``policy`` is a ``PolicyLike`` in the controller's process (its shards stream from threads
-here); ``generation`` lists the relays that run beside its engine workers
+``policy`` is either a trainer whose ranks are Ray actors serving
+:class:`~refit_zmq.relay.ShardProducer`'s ``refit_*`` methods (:class:`ZmqProducerPolicy`: each
+rank streams its own shard) or a plain ``PolicyLike`` in the controller's process (its shards
+stream from threads here); ``generation`` lists the relays that run beside its engine workers
 (:class:`ZmqRelayGeneration`). The API key is taken from ``REFIT_ZMQ_API_KEY`` and CURVE keys
 from ``REFIT_ZMQ_CURVE_*`` when those are set; ``refit_buffer_size_gb`` bounds a payload.
 """
@@ -9,13 +11,31 @@ from ``REFIT_ZMQ_CURVE_*`` when those are set; ``refit_buffer_size_gb`` bounds a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_core.protocols import PolicyLike
 from refit_core.registry import SynchronizerRequest
+from refit_zmq.relay import ShardProducer
 from refit_zmq.sparse.synchronizer import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
-__all__ = ["CommitListener", "ZmqRelayGeneration", "build_zmq_sparse_synchronizer"]
+__all__ = [
+    "CommitListener",
+    "ZmqProducerPolicy",
+    "ZmqRelayGeneration",
+    "build_zmq_sparse_synchronizer",
+    "shard_producers",
+]
+
+
+@runtime_checkable
+class ZmqProducerPolicy(Protocol):
+    """A trainer whose ranks are Ray actors serving :class:`~refit_zmq.relay.ShardProducer`'s
+    ``refit_*`` methods (create them with ``max_concurrency >= 2``)."""
+
+    def zmq_producers(self) -> Sequence[Any]:
+        """Actor handles of the trainer ranks, in rank order (rank ``r`` streams shard ``r``)."""
+        ...
 
 
 @runtime_checkable
@@ -40,20 +60,33 @@ def build_zmq_sparse_synchronizer(request: SynchronizerRequest) -> ZmqSparseWeig
     """The factory's builder for (vllm, non-colocated, zmq_sparse).
 
     Raises:
-        ValueError: a policy without ``weight_source()`` or a generation without
-            ``relay_addresses()``.
+        ValueError: a policy with neither ``zmq_producers()`` nor ``weight_source()``, or a
+            generation without ``relay_addresses()``.
     """
-    policy = request.policy
     generation = request.generation
-    if not isinstance(policy, PolicyLike):
-        raise ValueError("policy must provide weight_source()")
     if not isinstance(generation, ZmqRelayGeneration):
         raise ValueError("generation must provide relay_addresses() (relays beside its workers)")
     options = ZmqSparseOptions.from_env(bucket_size_bytes=request.refit_buffer_size_bytes)
     return ZmqSparseWeightSynchronizer(
-        policy,
+        shard_producers(request.policy, options.shard_count),
         generation.relay_addresses,
         refit_timeout_s=request.refit_timeout_s,
         options=options,
         on_commit=generation.refit_committed if isinstance(generation, CommitListener) else None,
     )
+
+
+def shard_producers(policy: object, shard_count: int) -> list[Participant]:
+    """The producers of ``policy``: its Ray ranks, or ``shard_count`` local ones.
+
+    Raises:
+        ValueError: a policy with neither ``zmq_producers()`` nor ``weight_source()``.
+    """
+    if isinstance(policy, ZmqProducerPolicy):
+        handles = policy.zmq_producers()
+        return [ActorParticipant(h, f"trainer rank {r}") for r, h in enumerate(handles)]
+    if isinstance(policy, PolicyLike):
+        return [
+            LocalParticipant(ShardProducer(policy), f"producer {r}") for r in range(shard_count)
+        ]
+    raise ValueError("policy must provide zmq_producers() (Ray trainer ranks) or weight_source()")

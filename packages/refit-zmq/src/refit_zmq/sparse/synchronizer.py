@@ -1,10 +1,11 @@
 """The sparse refit synchronizer: producer shards stream deltas into the relay tree.
 
-Each refit: finish whatever a relay still holds open (``reconcile``), compare every relay's
-version with the trainer's committed one (any difference, or no baseline yet: a dense
-resync), let every shard stream its payloads concurrently (each rooted at its own relay),
-flush every relay, and commit or abort everywhere. Trackers commit their baselines only after
-the relays committed.
+Producers are the trainer ranks (:class:`~refit_zmq.relay.ShardProducer` on Ray actors) or,
+for a single-process trainer, ``shard_count`` producers in the controller's process. Each
+refit: finish whatever a relay still holds open (``reconcile``), compare every relay's version
+with every producer's baseline (any difference, or no baseline yet: a dense resync), let every
+producer stream its shard concurrently (each rooted at its own relay), flush every relay, and
+commit or abort everywhere. Producers commit their baselines only after the relays committed.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from refit_core.deadline import Deadline
-from refit_core.errors import RefitError, RefitTimeoutError
-from refit_core.protocols import PolicyLike
+from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
+from refit_core.participants import Participant, gather
 from refit_core.synchronizer import WeightSynchronizer
-from refit_core.types import NamedTensor, RefitResult, WorkerOutcome
-from refit_zmq.codec import tensor_digest
+from refit_core.types import RefitResult, WorkerOutcome
 from refit_zmq.relay import (
     CurveConfig,
-    ProducerShard,
     RelayCoordinator,
     RelayTuning,
     TransferOptions,
@@ -31,7 +31,7 @@ from refit_zmq.relay import (
     run_transfer,
 )
 from refit_zmq.relay.auth import api_key_from_env
-from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
+from refit_zmq.tracker import TrackerConfig
 
 __all__ = ["API_KEY_ENV", "ZmqSparseOptions", "ZmqSparseWeightSynchronizer"]
 
@@ -49,7 +49,8 @@ class ZmqSparseOptions:
 
     Attributes:
         api_key_env_var: the environment variable holding the API key (None: no key).
-        shard_count: producer shards (each encodes its share, rooted at its own relay).
+        shard_count: producer shards of a single-process trainer (each encodes its share,
+            rooted at its own relay); trainer ranks on Ray are one shard each.
         bucket_size_bytes: dense bytes per payload at most.
         call_timeout_s: longest wait for one reply (also bounded by the refit's deadline).
         verification_candidates: entries each receiver re-reads per payload (0: none).
@@ -80,18 +81,20 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     """Sparse delta refits from a trainer into engines whose workers run relays.
 
     Args:
-        policy: the trainer (its ``weight_source()`` is read once per shard per refit).
+        producers: one participant per shard, in shard order, each reaching a
+            :class:`~refit_zmq.relay.ShardProducer` (a trainer rank's Ray actor, or an object
+            in this process).
         relays: the relay addresses, one per engine worker, in a stable order (index ``i`` is
             engine shard ``i`` for ``reconcile_communicator``).
         refit_timeout_s: deadline of one refit (None disarms).
-        options: shards, bucket size, verification, security.
+        options: bucket size, verification, security.
         on_commit: called with the version once every relay committed it, for engines whose
             relay writes a copy that must then be loaded (vLLM); its error fails the refit.
     """
 
     def __init__(
         self,
-        policy: PolicyLike,
+        producers: Sequence[Participant],
         relays: Callable[[], Sequence[str]],
         *,
         refit_timeout_s: float | None = None,
@@ -99,12 +102,13 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         on_commit: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(refit_timeout_s=refit_timeout_s)
-        self._policy = policy
+        if not producers:
+            raise ValueError("need at least one producer")
+        self._producers = list(producers)
         self._relays = relays
         self._on_commit = on_commit
         self._options = options or ZmqSparseOptions()
         self._coordinator: RelayCoordinator | None = None
-        self._shards: list[ProducerShard] = []
         self._stale = False
 
     # -- hooks ---------------------------------------------------------------------------
@@ -118,20 +122,47 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             curve=options.curve,
         )
         self._coordinator.configure_tree(list(self._relays()))
-        spec = self._policy.weight_source().state_dict_info()
         item_bytes = max(1, min(options.bucket_size_bytes, options.tuning.max_inflight_bytes) // 2)
-        for rank in range(options.shard_count):
-            config = TrackerConfig(
-                shard_rank=rank,
-                shard_count=options.shard_count,
-                bucket_size_bytes=2 * item_bytes,
-                max_item_bytes=item_bytes,
-            )
-            tracker = DeltaCompressionTracker(spec, config)
-            self._shards.append(ProducerShard(tracker, self._tensors))
+        count = len(self._producers)
+        self._on_producers(
+            "refit_init",
+            deadline,
+            lambda rank: (
+                TrackerConfig(
+                    shard_rank=rank,
+                    shard_count=count,
+                    bucket_size_bytes=2 * item_bytes,
+                    max_item_bytes=item_bytes,
+                ),
+            ),
+        )
 
-    def _tensors(self) -> Iterator[NamedTensor]:
-        return self._policy.weight_source().iter_tensors()
+    def _on_producers(
+        self,
+        method: str,
+        deadline: Deadline,
+        arguments: Callable[[int], tuple[object, ...]] = lambda rank: (),
+        *,
+        count: int | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on the first ``count`` producers (default: all) within the
+        deadline; their answers, in rank order.
+
+        Raises:
+            RefitTimeoutError: a producer did not answer (named as wedged).
+            WorkerError: a producer failed (a dead trainer rank).
+        """
+        producers = self._producers[:count]
+        calls = {p: p.call(method, *arguments(rank)) for rank, p in enumerate(producers)}
+        gathered = gather(calls, deadline.timeout_for(self._options.call_timeout_s))
+        if gathered.missing:
+            labels = [p.label for p in gathered.missing]
+            raise RefitTimeoutError(f"{method}: no answer from {labels}", wedged_workers=labels)
+        for participant, error in gathered.errors.items():
+            if isinstance(error, RefitError):
+                raise error
+            raise WorkerError(str(error), worker=participant.label, operation=method) from error
+        return [gathered.results[p] for p in producers]
 
     def _call_timeout(self, deadline: Deadline) -> float:
         """One reply's timeout: the configured one, within what the deadline leaves."""
@@ -152,20 +183,24 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             raise RefitTimeoutError(
                 f"relays {unreachable} do not answer; reconcile_communicator without them"
             )
-        committed = self._shards[0].tracker.version
+        baselines = set(self._on_producers("refit_version", deadline))
+        committed = baselines.pop() if len(baselines) == 1 else None
         behind = sorted(
-            a
-            for a, s in statuses.items()
-            if isinstance(s, dict) and (committed is None or s["version"] != committed.value)
+            a for a, s in statuses.items() if isinstance(s, dict) and s["version"] != committed
         )
         if behind and committed is not None:
-            logger.warning("relays %s are not at version %d: dense resync", behind, committed.value)
+            logger.warning("relays %s are not at version %s: dense resync", behind, committed)
         deadline.check("streaming the refit")
         options = self._options
+        expected = (
+            self._on_producers("refit_digests", deadline, count=1)[0]
+            if options.verify_digests
+            else None
+        )
         try:
             result = run_transfer(
                 coordinator,
-                self._shards,
+                self._producers,
                 target_version=version,
                 resync=bool(behind),
                 options=TransferOptions(
@@ -175,20 +210,15 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                     options.curve,
                     options.verification_candidates,
                 ),
-                expected_digests=self._digests() if options.verify_digests else None,
+                expected_digests=expected,
+                wait_s=deadline.remaining_s(),
             )
         except RefitTimeoutError:
-            self._stale = True  # a relay stopped answering: the tree needs reconciling
+            self._stale = True  # a relay or producer stopped answering
             raise
         if self._on_commit is not None:
             self._on_commit(version)
         return self._result(version, result, time.monotonic() - started, resync=bool(behind))
-
-    def _digests(self) -> dict[str, int]:
-        return {
-            named.name: tensor_digest(named.tensor)
-            for named in self._policy.weight_source().iter_tensors()
-        }
 
     def _result(
         self, version: int, result: TransferResult, total_s: float, *, resync: bool
@@ -239,5 +269,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _shutdown(self) -> None:
         if self._coordinator is not None:
             self._coordinator.close()
-        for shard in self._shards:
-            shard.tracker.close()
+        calls = {p: p.call("refit_close") for p in self._producers}
+        gather(calls, self._options.call_timeout_s)
+        for producer in self._producers:
+            producer.close()
