@@ -66,6 +66,8 @@ def _deploy(refit_timeout_s: float | None = None) -> Iterator[StandInDeployment]
 
     actor = ray.remote(ShardRank).options(num_cpus=0, max_restarts=0)
     ranks = [actor.remote(MODEL, rank, RANKS) for rank in range(RANKS)]
+    # started before any timed call (starting a torch process takes long on a loaded machine)
+    ray.get([r.refit_memory.remote() for r in ranks], timeout=180)
     engines = [StandInSGLang(MODEL, seed=2 + i, tp_size=tp) for i, tp in enumerate((1, 2))]
     stack = contextlib.ExitStack()
     clients = [HttpClient(stack.enter_context(serve(e)), control_timeout_s=30.0) for e in engines]
