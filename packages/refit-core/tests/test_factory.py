@@ -74,11 +74,6 @@ def test_colocated_must_be_a_bool() -> None:
         create(generation_backend="vllm", colocated="yes")
 
 
-def test_row_without_deadline_support_refuses_a_deadline() -> None:
-    with pytest.raises(ValueError, match="cannot enforce refit_timeout_s"):
-        create(generation_backend="megatron", colocated=True, refit_timeout_s=10.0)
-
-
 def test_default_transport_per_topology() -> None:
     assert find_row("vllm", True, None).transport == "ipc"
     assert find_row("vllm", False, None).transport == "collective"

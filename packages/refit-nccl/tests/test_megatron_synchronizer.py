@@ -49,7 +49,9 @@ def test_colocated_matching_layouts_alias_and_need_no_group() -> None:
 
 def test_colocated_reshard_in_one_process_copies_into_the_inference_shards() -> None:
     policy, generation = sides(Parallelism(), Parallelism())
-    with create_weight_synchronizer(policy, generation, "megatron", colocated=True) as sync:
+    with create_weight_synchronizer(
+        policy, generation, "megatron", colocated=True, refit_timeout_s=30.0
+    ) as sync:
         sync.sync_weights()
         assert not sync.is_stale()
     for name, tensor in policy.shards.items():

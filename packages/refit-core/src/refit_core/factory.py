@@ -57,11 +57,6 @@ def create_weight_synchronizer(
     row = find_row(generation_backend, colocated, transport)
     _check_positive("refit_buffer_size_gb", refit_buffer_size_gb)
     _check_positive("refit_timeout_s", refit_timeout_s)
-    if refit_timeout_s is not None and not row.supports_deadline:
-        raise ValueError(
-            f"{row.key} cannot enforce refit_timeout_s (it runs no abortable call); "
-            "pass refit_timeout_s=None"
-        )
     needs_clusters = not colocated and generation_backend not in _CLUSTER_OPTIONAL
     if needs_clusters and (train_cluster is None or inference_cluster is None):
         raise ValueError(

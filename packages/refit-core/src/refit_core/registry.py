@@ -74,7 +74,6 @@ class BackendRow:
     package: str
     extra: str
     description: str
-    supports_deadline: bool = True
 
     @property
     def key(self) -> str:
@@ -111,7 +110,6 @@ KNOWN_ROWS: tuple[BackendRow, ...] = (
     BackendRow(
         "megatron", "colocated", "reshard", "refit-nccl", "megatron",
         "in-process reshard, training -> inference layout",
-        supports_deadline=False,
     ),
     BackendRow(
         "megatron", "non-colocated", "collective", "refit-nccl", "megatron",
