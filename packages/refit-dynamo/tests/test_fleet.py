@@ -26,13 +26,13 @@ from refit_dynamo import (
     DynamoWorkerError,
     DynamoWorkerTimeoutError,
 )
-from refit_dynamo.trainer import VllmPeerTrainer
 from refit_lab.digest import combined_digest, state_digest
 from refit_lab.dynamo_lab.fleet import DEFAULT_MODEL, Worker, bare_worker, dynamo_fleet
 from refit_lab.ray_cluster import LocalCluster, free_port, local_ray
 from refit_lab.reference_engine import random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import GroupSpec, JoinRequest
+from refit_nccl.vllm_peer import VllmPeerTrainer
 
 pytestmark = pytest.mark.timeout(120)
 

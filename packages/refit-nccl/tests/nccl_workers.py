@@ -16,6 +16,7 @@ from refit_lab.faults import ProcessGang, fault_self
 from refit_lab.ray_cluster import free_port
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import receive_packed, send_packed
+from refit_nccl.child import ChildProcessGroup
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.plan import TransferPlan
@@ -85,12 +86,21 @@ def connect(
     name: str = "test",
     backend: Backend = "gloo",
     join_timeout_s: float = SETUP_S,
+    params: Report | None = None,
 ) -> AbortableProcessGroup:
-    """Join a group on 127.0.0.1 (with NCCL, on GPU ``rank``)."""
+    """Join a group on 127.0.0.1 (with NCCL, on GPU ``rank``); in a child process where
+    ``params["child_ranks"]`` names this rank; ``params["join_timeout_s"]`` overrides
+    ``join_timeout_s``."""
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    group = AbortableProcessGroup(GroupSpec("127.0.0.1", port, rank, world, backend, name))
-    group.connect(Deadline.after(join_timeout_s))
+    spec = GroupSpec("127.0.0.1", port, rank, world, backend, name)
+    params = params or {}
+    group = (
+        ChildProcessGroup(spec)
+        if rank in params.get("child_ranks", ())
+        else AbortableProcessGroup(spec)
+    )
+    group.connect(Deadline.after(params.get("join_timeout_s", join_timeout_s)))
     return group
 
 
@@ -128,7 +138,7 @@ def scenario_broadcast(rank: int, world: int, ports: list[int], params: Report, 
     state = mixed_state(params["seed"], params["filler_bytes"], params["bucket_bytes"])
     if params.get("filler_only"):
         state = {name: t for name, t in state.items() if name.startswith("layers.")}
-    group = connect(rank, world, ports[0], backend=params.get("backend", "gloo"))
+    group = connect(rank, world, ports[0], backend=params.get("backend", "gloo"), params=params)
     received = transfer(group, state, geometry, Deadline.after(SETUP_S))
     wrong = bitwise_differences(state, received) if rank else []
     group.abort("test done")
@@ -151,7 +161,7 @@ def scenario_mismatch(rank: int, world: int, ports: list[int], params: Report, e
 
 def scenario_calls(rank: int, world: int, ports: list[int], params: Report, emit: Emit) -> None:
     """all_reduce, send/recv, barrier and broadcast; then abort twice and call after abort."""
-    group = connect(rank, world, ports[0])
+    group = connect(rank, world, ports[0], params=params)
     deadline = Deadline.after(SETUP_S)
     total = torch.tensor([rank + 1.0])
     group.all_reduce(total, deadline)
@@ -194,14 +204,13 @@ def _fault_setup(params: Report) -> tuple[CollectiveSenderSpec, dict[str, torch.
     return geometry, mixed_state(params["seed"], params["filler_bytes"], params["bucket_bytes"])
 
 
-def _round(
-    rank: int, world: int, port: int, name: str, params: Report, deadline: Deadline
-) -> dict[str, torch.Tensor]:
-    """Join a group (waiting up to ``join_timeout_s`` for its members) and run one transfer."""
+def _round(rank: int, world: int, port: int, name: str, params: Report) -> dict[str, torch.Tensor]:
+    """Join a group (waiting up to ``join_timeout_s`` for its members) and run one transfer
+    under a deadline of :data:`SETUP_S` from then."""
     geometry, state = _fault_setup(params)
-    group = connect(rank, world, port, name, params["backend"], params["join_timeout_s"])
+    group = connect(rank, world, port, name, params["backend"], params["join_timeout_s"], params)
     try:
-        return transfer(group, state, geometry, deadline)
+        return transfer(group, state, geometry, Deadline.after(SETUP_S))
     finally:
         group.abort(f"{name} done")
 
@@ -209,10 +218,12 @@ def _round(
 def scenario_survivor(rank: int, world: int, ports: list[int], params: Report, emit: Emit) -> None:
     """Ranks 0 and 1: for each fault, a transfer in which the last rank faults itself (see
     :func:`scenario_victim`), then a retry over the survivors; finally a transfer with a
-    restarted receiver (see :func:`scenario_rejoin`)."""
+    restarted receiver (see :func:`scenario_rejoin`) unless ``params["rejoin"]`` is False."""
     geometry, state = _fault_setup(params)
     for index, signal_name in enumerate(params["signals"]):
-        group = connect(rank, world, ports[2 * index], f"fault-{signal_name}", params["backend"])
+        group = connect(
+            rank, world, ports[2 * index], f"fault-{signal_name}", params["backend"], params=params
+        )
         deadline = Deadline.after(params["deadline_s"])
         try:
             transfer(group, state, geometry, deadline)
@@ -226,17 +237,16 @@ def scenario_survivor(rank: int, world: int, ports: list[int], params: Report, e
             emit({"event": f"{signal_name}:after_abort", "error": None})
         except RefitError as exc:
             emit({"event": f"{signal_name}:after_abort", **_error(exc)})
-        received = _round(
-            rank, world - 1, ports[2 * index + 1], "survivors", params, Deadline.after(SETUP_S)
-        )
+        received = _round(rank, world - 1, ports[2 * index + 1], "survivors", params)
         emit(
             {
                 "event": f"{signal_name}:retry",
                 "wrong": bitwise_differences(state, received) if rank else [],
             }
         )
-    received = _round(rank, world, ports[-1], "rejoined", params, Deadline.after(SETUP_S))
-    emit({"event": "rejoin", "wrong": bitwise_differences(state, received) if rank else []})
+    if params.get("rejoin", True):
+        received = _round(rank, world, ports[-1], "rejoined", params)
+        emit({"event": "rejoin", "wrong": bitwise_differences(state, received) if rank else []})
 
 
 def scenario_victim(rank: int, world: int, ports: list[int], params: Report, emit: Emit) -> None:
@@ -251,6 +261,7 @@ def scenario_victim(rank: int, world: int, ports: list[int], params: Report, emi
         f"fault-{signum.name}",
         params["backend"],
         params["join_timeout_s"],
+        params,
     )
     transfer(group, state, geometry, Deadline.after(SETUP_S), lambda _: fault_self(signum))
     emit({"event": "victim survived"})
@@ -259,7 +270,7 @@ def scenario_victim(rank: int, world: int, ports: list[int], params: Report, emi
 def scenario_rejoin(rank: int, world: int, ports: list[int], params: Report, emit: Emit) -> None:
     """The restarted receiver: joins the last group of :func:`scenario_survivor`."""
     _, state = _fault_setup(params)
-    received = _round(rank, world, ports[-1], "rejoined", params, Deadline.after(SETUP_S))
+    received = _round(rank, world, ports[-1], "rejoined", params)
     emit({"event": "rejoin", "wrong": bitwise_differences(state, received)})
 
 
@@ -378,3 +389,38 @@ def launch_session(gang: ProcessGang) -> int:
     collective_reports = sum(2 if name == "calls" else 1 for name, _ in STEPS) * WORLD
     # per survivor: transfer, after_abort and retry per fault, then rejoin; the rejoiner: rejoin
     return collective_reports + 2 * (3 * len(SIGNALS) + 1) + 1
+
+
+# -- the child-process communicator session (test_child.py) ---------------------------------
+
+CHILD_JOIN_S = 240.0
+"""How long a member of a group with child communicators waits for the others to join."""
+CHILD_RANKS = [0, 1]
+"""Ranks whose communicator runs in a child process; rank 2 (the victim) runs in process, so
+its SIGSTOP freezes its communicator too."""
+
+
+def launch_child_session(gang: ProcessGang) -> int:
+    """Start the child-communicator workers; returns how many reports they will put.
+
+    Ranks 0 and 1 run their communicators in child processes: the calls, a bitwise
+    broadcast, then they survive a SIGSTOP of rank 2 (in process) mid-transfer and retry
+    over themselves (fresh children).
+    """
+    # starting a child costs a torch import: tens of seconds on a loaded 2-core machine
+    child = {"child_ranks": CHILD_RANKS, "join_timeout_s": CHILD_JOIN_S}
+    steps: list[tuple[str, Report]] = [
+        ("calls", {**child, "ports": [free_port()], "step": 0}),
+        ("broadcast", {**STEPS[1][1], **child, "ports": [free_port()], "step": 1}),
+    ]
+    faults = {
+        **FAULT_PARAMS,
+        **child,
+        "signals": ["SIGSTOP"],
+        "rejoin": False,
+        "ports": [free_port() for _ in range(2)],
+    }
+    launch(gang, CHILD_RANKS, WORLD, [*steps, ("survivor", faults)])
+    launch(gang, [2], WORLD, [*steps, ("victim", {**faults, "victim": 0})])
+    # calls: 2 reports per rank; broadcast: 1; per survivor: transfer, after_abort, retry
+    return 3 * WORLD + 2 * 3

@@ -12,6 +12,7 @@ import torch
 from refit_core import Deadline, RefitAbortedError, RefitError, RefitTimeoutError
 from refit_lab.ray_cluster import free_port
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.rendezvous import convention_of
 
 
 def test_abort_of_a_never_connected_group() -> None:
@@ -78,3 +79,25 @@ def test_spec_validation() -> None:
         GroupSpec("127.0.0.1", 0, 0, 2)
     with pytest.raises(ValueError, match="unknown backend"):
         GroupSpec("127.0.0.1", 1234, 0, 2, backend="mpi")  # type: ignore[arg-type]
+
+
+def test_rendezvous_conventions() -> None:
+    refit, vllm = convention_of("refit"), convention_of("vllm")
+    assert refit.store_prefix("g", "127.0.0.1", 1234) == "g"
+    assert vllm.store_prefix("g", "127.0.0.1", 1234) == "tcp://127.0.0.1:1234"
+    assert vllm.store_prefix("g", "::1", 1234) == "tcp://[::1]:1234"
+    assert refit.expected_warm_up(3) == 3.0 and vllm.expected_warm_up(3) == 0.0
+    with pytest.raises(ValueError, match="unknown rendezvous"):
+        GroupSpec("127.0.0.1", 1234, 0, 2, rendezvous="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not built"):
+        GroupSpec("127.0.0.1", 1234, 0, 2, "nccl", rendezvous="vllm")
+
+
+@pytest.mark.timeout(30)
+def test_vllm_rendezvous_group_warms_up_with_a_zero() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1, rendezvous="vllm"))
+    group.connect(Deadline.after(10))
+    data = torch.arange(3.0)
+    group.broadcast(data, 0, Deadline.after(5))
+    assert group.connected and data.tolist() == [0.0, 1.0, 2.0]
+    group.abort("done")

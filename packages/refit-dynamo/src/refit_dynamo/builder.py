@@ -9,8 +9,8 @@ from refit_core import SynchronizerRequest
 from refit_core.protocols import ClusterLike, PolicyLike
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.participants import dynamo_shards
-from refit_dynamo.trainer import VllmPeerTrainer
 from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, LocalParticipant
+from refit_nccl.vllm_peer import VllmPeerTrainer
 
 __all__ = ["build_dynamo_synchronizer"]
 

@@ -1,9 +1,11 @@
 """refit-nccl: abortable process groups, packed pipelined broadcast and the collective
 synchronizer behind ``create_weight_synchronizer(..., "vllm", colocated=False)``."""
 
+from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_nccl.backends import Backend, default_backend
 from refit_nccl.broadcast import Consumer, TransferStats, receive_packed, send_packed
 from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, build_collective_synchronizer
+from refit_nccl.child import ChildProcessGroup
 from refit_nccl.endpoint import (
     CollectiveEngine,
     EngineEndpoint,
@@ -15,10 +17,10 @@ from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, requi
 from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.membership import Membership, ShardRanks, plan_membership
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_nccl.plan import Bucket, Slot, TransferPlan
 from refit_nccl.storage import PlanStorage, StagingBuffers
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
+from refit_nccl.vllm_peer import VllmPeerTrainer
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,7 @@ __all__ = [
     "ActorParticipant",
     "Backend",
     "Bucket",
+    "ChildProcessGroup",
     "CollectiveEngine",
     "CollectiveGeneration",
     "CollectiveOptions",
@@ -49,6 +52,7 @@ __all__ = [
     "TrainerEndpoint",
     "TransferPlan",
     "TransferStats",
+    "VllmPeerTrainer",
     "__version__",
     "agree_on_plan",
     "build_collective_synchronizer",

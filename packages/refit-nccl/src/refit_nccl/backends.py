@@ -16,23 +16,37 @@ from datetime import timedelta
 from typing import Any, Literal, Protocol, cast
 
 import torch
-from torch._C._distributed_c10d import Store, Work
+from torch._C._distributed_c10d import Store
 
-__all__ = ["Backend", "BackendTraits", "Communicator", "default_backend", "traits_of"]
+__all__ = [
+    "Backend",
+    "BackendTraits",
+    "CallHandle",
+    "Communicator",
+    "default_backend",
+    "traits_of",
+]
 
 Backend = Literal["gloo", "nccl"]
 
 
+class CallHandle(Protocol):
+    """An issued call (torch's ``Work``): ``wait`` raises if it fails or times out."""
+
+    def wait(self, timeout: timedelta) -> object: ...
+
+
 class Communicator(Protocol):
-    """The calls refit makes on a torch communicator backend (``ProcessGroupGloo``/``NCCL``)."""
+    """The calls refit makes on a communicator (``ProcessGroupGloo``/``NCCL``, or
+    :class:`~refit_nccl.child.ChildCommunicator`)."""
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work: ...
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> CallHandle: ...
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Work: ...
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> CallHandle: ...
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work: ...  # noqa: N803
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> CallHandle: ...  # noqa: N803
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> CallHandle: ...  # noqa: N803
 
     def abort(self) -> None: ...
 

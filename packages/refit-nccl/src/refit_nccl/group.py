@@ -5,7 +5,8 @@ stateless groups do), warms up with a one-element all-reduce, and runs every cal
 caller's :class:`~refit_core.Deadline`: the remaining time is passed to calls that take a
 timeout (gloo) and a watchdog aborts the communicator where abort releases calls (NCCL).
 A call that does not complete aborts the group; every later call raises
-:class:`~refit_core.RefitAbortedError` naming that first cause.
+:class:`~refit_core.RefitAbortedError` naming that first cause. Store keys and warm-up follow
+refit's convention or vLLM's (:mod:`refit_nccl.rendezvous`), so a vLLM peer can join.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ from torch._C._distributed_c10d import (
     PrefixStore,
     ReduceOp,
     TCPStore,
-    Work,
 )
 from torch.distributed import DistStoreError
 
 from refit_core import Deadline, ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
-from refit_nccl.backends import Backend, BackendTraits, Communicator, traits_of
+from refit_nccl.backends import Backend, BackendTraits, CallHandle, Communicator, traits_of
+from refit_nccl.rendezvous import Convention, Rendezvous, convention_of
 from refit_nccl.watchdog import Watchdog
 
 __all__ = [
     "DISARMED_TIMEOUT_S",
+    "REDUCE_OPS",
     "AbortableProcessGroup",
     "GroupSpec",
     "PendingCall",
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 ReduceOpName = Literal["sum", "max", "min"]
 
-_REDUCE_OPS: dict[str, ReduceOp.RedOpType] = {
+REDUCE_OPS: dict[ReduceOpName, ReduceOp.RedOpType] = {
     "sum": ReduceOp.SUM,
     "max": ReduceOp.MAX,
     "min": ReduceOp.MIN,
@@ -72,8 +74,11 @@ class GroupSpec:
         rank: this participant's rank.
         world_size: number of ranks.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
-        name: prefix of the group's store keys.
+        name: the group's name (prefix of its store keys under refit's rendezvous).
         disarmed_timeout_s: timeout of calls made under a disarmed deadline.
+        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
+            ``"vllm"`` for a group that vLLM's stateless groups join
+            (:mod:`refit_nccl.rendezvous`; gloo only).
     """
 
     host: str
@@ -83,6 +88,7 @@ class GroupSpec:
     backend: Backend = "gloo"
     name: str = "refit"
     disarmed_timeout_s: float = DISARMED_TIMEOUT_S
+    rendezvous: Rendezvous = "refit"
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -92,6 +98,17 @@ class GroupSpec:
         if not self.disarmed_timeout_s > 0:
             raise ValueError(f"disarmed_timeout_s must be > 0, got {self.disarmed_timeout_s}")
         traits_of(self.backend)
+        convention_of(self.rendezvous)
+        if self.rendezvous == "vllm" and self.backend != "gloo":
+            raise ValueError(
+                "vLLM's NCCL rendezvous (an NCCL unique id pickled into the store for "
+                "PyNcclCommunicator) is not built; a vllm-rendezvous group runs on gloo"
+            )
+
+    @property
+    def convention(self) -> Convention:
+        """The rendezvous convention the group follows."""
+        return convention_of(self.rendezvous)
 
     @property
     def label(self) -> str:
@@ -103,10 +120,10 @@ class PendingCall:
     """An issued call; :meth:`wait` blocks until it completes or its deadline passes."""
 
     def __init__(
-        self, group: AbortableProcessGroup, what: str, work: Work, deadline: Deadline
+        self, group: AbortableProcessGroup, what: str, work: CallHandle, deadline: Deadline
     ) -> None:
         self._group = group
-        self._work: Work | None = work
+        self._work: CallHandle | None = work
         self.what = what
         self.deadline = deadline
 
@@ -199,39 +216,47 @@ class AbortableProcessGroup:
         logger.debug("%s: rendezvous at %s:%d", spec.label, spec.host, spec.port)
         with self._guard(deadline, "rendezvous"):
             try:
-                timeout = self._timeout(deadline, "rendezvous")
-                store = TCPStore(
-                    spec.host,
-                    spec.port,
-                    spec.world_size,
-                    is_master=spec.rank == 0,
-                    timeout=timeout,
-                    wait_for_workers=True,
-                )
-                construct_timeout = (
-                    timeout
-                    if self._traits.per_call_timeout
-                    else timedelta(seconds=spec.disarmed_timeout_s)
-                )
-                pg = self._traits.construct(
-                    PrefixStore(spec.name, store),
-                    spec.rank,
-                    spec.world_size,
-                    construct_timeout,
-                    spec.host,
-                )
+                pg, store = self._open(deadline)
             except Exception as exc:
                 raise self._rendezvous_error(exc, deadline) from exc
         with self._lock:
             if self._abort_cause is None:
                 self._pg, self._store = pg, store
         self._raise_if_aborted("connect")
-        probe = torch.ones(1, device=self.device)
-        self.all_reduce(probe, deadline)
-        if int(probe.item()) != spec.world_size:
-            self.abort(f"warm-up all-reduce summed to {probe.item()}, not {spec.world_size}")
-            raise ProtocolError(f"{spec.label}: warm-up all-reduce disagrees on the world size")
+        self._warm_up(deadline)
         logger.info("%s: connected (%s)", spec.label, spec.backend)
+
+    def _open(self, deadline: Deadline) -> tuple[Communicator, TCPStore | None]:
+        """Meet the other ranks over the store and build the communicator."""
+        spec = self.spec
+        timeout = self._timeout(deadline, "rendezvous")
+        store = TCPStore(
+            spec.host,
+            spec.port,
+            spec.world_size,
+            is_master=spec.rank == 0,
+            timeout=timeout,
+            wait_for_workers=True,
+        )
+        construct_timeout = (
+            timeout if self._traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
+        )
+        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port)
+        pg = self._traits.construct(
+            PrefixStore(prefix, store), spec.rank, spec.world_size, construct_timeout, spec.host
+        )
+        return pg, store
+
+    def _warm_up(self, deadline: Deadline) -> None:
+        """The convention's one-element all-reduce; it must sum to what the convention says."""
+        convention = self.spec.convention
+        probe = torch.full((1,), convention.warm_up_value, device=self.device)
+        self.all_reduce(probe, deadline)
+        expected = convention.expected_warm_up(self.world_size)
+        if probe.item() != expected:
+            cause = f"warm-up all-reduce summed to {probe.item()}, not {expected}"
+            self.abort(cause)
+            raise ProtocolError(f"{self.spec.label}: {cause} (a member follows another rendezvous)")
 
     def abort(self, cause: str = "aborted by its owner") -> None:
         """Make the group unusable; idempotent, safe from any thread, never blocks on peers."""
@@ -260,7 +285,7 @@ class AbortableProcessGroup:
         self._check_tensor(tensor)
         self._check_rank(root)
 
-        def start(pg: Communicator, timeout: timedelta) -> Work:
+        def start(pg: Communicator, timeout: timedelta) -> CallHandle:
             options = BroadcastOptions()
             options.rootRank = root
             options.rootTensor = 0
@@ -275,9 +300,9 @@ class AbortableProcessGroup:
     ) -> None:
         """Reduce ``tensor`` in place across all ranks."""
         self._check_tensor(tensor)
-        reduce_op = _REDUCE_OPS[op]
+        reduce_op = REDUCE_OPS[op]
 
-        def start(pg: Communicator, timeout: timedelta) -> Work:
+        def start(pg: Communicator, timeout: timedelta) -> CallHandle:
             options = AllreduceOptions()
             options.reduceOp = reduce_op
             if self._traits.per_call_timeout:
@@ -310,7 +335,7 @@ class AbortableProcessGroup:
         self,
         what: str,
         deadline: Deadline,
-        start: Callable[[Communicator, timedelta], Work],
+        start: Callable[[Communicator, timedelta], CallHandle],
     ) -> PendingCall:
         with self._lock:
             self._raise_if_aborted(what)
@@ -327,7 +352,7 @@ class AbortableProcessGroup:
             raise self._failure(what, exc, deadline) from exc
         return PendingCall(self, what, work, deadline)
 
-    def _complete(self, call: PendingCall, work: Work) -> None:
+    def _complete(self, call: PendingCall, work: CallHandle) -> None:
         try:
             timeout = self._timeout(call.deadline, call.what)
             with self._guard(call.deadline, call.what):

@@ -1,7 +1,7 @@
 """An engine client (the part of vLLM's ``AsyncLLM`` Dynamo's RL routes call) backed by
 reference engines: one replica per engine rank, each joining the trainer's gloo group (as
-vLLM's receiver does, from ``init_info`` alone) and receiving vLLM's packed broadcast through
-refit-nccl.
+vLLM's receiver does, from ``init_info`` alone, by vLLM's rendezvous) and receiving vLLM's
+packed broadcast through refit-nccl.
 
 ``collective_rpc`` runs a vLLM worker-extension method on every rank at once, as vLLM does:
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update(is_checkpoint_format)``,
@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from refit_core import CollectiveSenderSpec, Deadline, TensorSpec
-from refit_dynamo.trainer import PEER_GROUP_NAME
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
 
@@ -60,7 +59,8 @@ class _Rank:
                 int(init_info["rank_offset"]) + self.local_rank,
                 int(init_info["world_size"]),
                 "gloo",
-                PEER_GROUP_NAME,
+                "vllm-receiver",
+                rendezvous="vllm",
             )
         )
         self.group.connect(Deadline.after(JOIN_S))

@@ -1,0 +1,62 @@
+"""Trainer rank 0 for receivers that speak vLLM's native weight-transfer protocol.
+
+vLLM's receiver (``NCCLWeightTransferEngine`` in vLLM 0.32.0,
+``vllm/distributed/weight_transfer/nccl_engine.py``, and whatever drives it, such as a Dynamo
+worker) joins from its init info alone (address, port, rank offset, world size) and cuts
+buckets from the update info by its packing rule. So this trainer hosts the group with vLLM's
+rendezvous (``GroupSpec.rendezvous="vllm"``: vLLM's store keys and one-element zero warm-up,
+see :mod:`refit_nccl.rendezvous`), runs no plan-digest handshake, and packs by vLLM's rule
+(``CollectiveSenderSpec.peer == "vllm"``; check the receiver's geometry with
+:func:`refit_nccl.require_vllm_defaults`). Every call keeps refit's deadline: per-call
+timeouts, abort, ``RefitTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
+from refit_core.protocols import PolicyLike
+from refit_nccl.broadcast import TransferStats, send_packed
+from refit_nccl.endpoint import JoinRequest, StateItems
+from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.peer import PeerTrainer
+from refit_nccl.plan import TransferPlan
+from refit_nccl.storage import StagingBuffers
+
+__all__ = ["VllmPeerTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class VllmPeerTrainer(PeerTrainer[TransferPlan]):
+    """The sending trainer rank (rank 0) of a refit into vLLM-protocol receivers.
+
+    Args:
+        policy: where the weights come from; ``weight_source()`` is read on every refit.
+    """
+
+    engines = "a vLLM-protocol"
+
+    def __init__(self, policy: PolicyLike) -> None:
+        super().__init__(policy)
+        self._staging = StagingBuffers()
+
+    def _build_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        if geometry.peer != "vllm":
+            raise GeometryMismatchError(
+                f"a vLLM receiver unpacks by vLLM's rule; the geometry is for peer {geometry.peer!r}"
+            )
+        return TransferPlan.build(dict(state), geometry)
+
+    def _group_spec(self, request: JoinRequest) -> GroupSpec:
+        return dataclasses.replace(request.group, rendezvous="vllm")
+
+    def _send(
+        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
+    ) -> TransferStats:
+        tensors = ((t.name, t.tensor) for t in self._policy.weight_source().iter_tensors())
+        stats = send_packed(group, plan, tensors, deadline, staging=self._staging)
+        logger.info("sent version %d in %.3f s", version, stats.total_s)
+        return stats
