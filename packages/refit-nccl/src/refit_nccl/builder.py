@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from refit_core import SynchronizerRequest
+from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_core.protocols import ClusterLike, PolicyLike
 from refit_nccl.endpoint import TrainerEndpoint
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
 
 __all__ = ["CollectiveGeneration", "CollectivePolicy", "build_collective_synchronizer"]

@@ -28,12 +28,12 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
+from refit_core.participants import Gathered, Participant, gather
 from refit_nccl.backends import Backend, default_backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
-from refit_core.participants import Gathered, Participant, gather
 
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 

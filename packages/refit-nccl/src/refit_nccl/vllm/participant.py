@@ -16,9 +16,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from refit_core import WorkerError
+from refit_core.participants import Participant
 from refit_nccl.endpoint import JoinRequest
 from refit_nccl.futures import in_thread
-from refit_core.participants import Participant
 from refit_nccl.vllm.calls import decode_reply, encode_call
 
 __all__ = ["VllmCollectiveGeneration", "VllmEngineParticipant"]
