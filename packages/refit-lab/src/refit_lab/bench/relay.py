@@ -13,8 +13,10 @@ one bridge, every host's egress shaped with exactly ``tc qdisc add dev <veth> ro
 500mbit burst 256kb latency 100ms`` (producer, relays and raw receivers alike). Cases: a raw
 pyzmq transfer of the dense bytes to one host; the 1%-changed refit through one relay,
 encoding included; dense resyncs to 1, 2, 4 and 8 receivers through relays chained with
-fan-out 1 (a pipelined chain: every link carries each byte once) against a star of raw pyzmq
-streams from the producer to each receiver. Each host's veth byte counters are reported.
+fan-out 1 (a pipelined chain: every link carries each byte once), sent uncompressed (every
+receiver would otherwise decompress: nine processes' worth of zstd on two shared cores made
+the 8-receiver chain CPU-bound), against a star of raw pyzmq streams from the producer to
+each receiver. Each host's veth byte counters are reported.
 Every timed refit ends committed, and every receiver is checked bit for bit at the end.
 """
 
@@ -609,7 +611,12 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
             before = lan.counters()
             steps = [Step("shaped_tree_dense", "base", True) for _ in range(sizes.repeats + 1)]
             produced = _produce_in(
-                lan, receivers, tree_config, steps, Producing(threads=ctx.threads), deadline
+                lan,
+                receivers,
+                tree_config,
+                steps,
+                Producing(compress=False, threads=ctx.threads),
+                deadline,
             )
             traffic = [
                 {k: after[k] - b[k] for k in after}
