@@ -24,6 +24,8 @@ from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import (
     ActorParticipant,
+    ChildProcessGroup,
+    CollectiveOptions,
     CollectiveWeightSynchronizer,
     LocalParticipant,
     TrainerEndpoint,
@@ -113,6 +115,14 @@ class TestCollectiveConformance(SynchronizerConformance):
 def digests_match(fleet: Any, trainer: SimulatedTrainer) -> list[bool]:
     expected = state_digest(trainer.engine_state().items())
     return [digests == expected for digests in fleet.call("state_digests")]
+
+
+def actor_shards(fleet: Any) -> dict[int, list[ActorParticipant]]:
+    """The fleet's engine workers as participants, by shard."""
+    return {
+        index: [ActorParticipant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
+        for index, hs in fleet.collective_shards().items()
+    }
 
 
 @pytest.mark.timeout(240)
@@ -209,21 +219,49 @@ def test_every_trainer_rank_joins_and_only_rank_0_sends(fleet: Any) -> None:
     trainers = [
         LocalParticipant(TrainerEndpoint(t), f"trainer {r}") for r, t in enumerate((trainer, idle))
     ]
-
-    def shards() -> dict[int, list[ActorParticipant]]:
-        return {
-            index: [ActorParticipant(h, f"shard {index} worker {j}") for j, h in enumerate(hs)]
-            for index, hs in fleet.collective_shards().items()
-        }
-
     synchronizer = CollectiveWeightSynchronizer(
-        trainers, shards, LocalCluster(2).get_master_address_and_port, refit_timeout_s=30
+        trainers,
+        lambda: actor_shards(fleet),
+        LocalCluster(2).get_master_address_and_port,
+        refit_timeout_s=30,
     )
     with synchronizer:
         result = synchronizer.sync_weights()
         membership = synchronizer.membership
         assert membership is not None and (membership.trainers, membership.world_size) == (2, 4)
         assert result.ok and len(result.workers) == 2
+        assert digests_match(fleet, trainer) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_communicators_in_children_and_a_reconcile_starts_fresh_ones(fleet: Any) -> None:
+    """``communicator_in_child``: every participant's communicator runs in a killable child;
+    a reconcile rebuilds the group with fresh children, and the refits stay bitwise."""
+    fleet.reset(seed=700)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 6), lr=1e-2)
+    endpoint = TrainerEndpoint(trainer)
+    synchronizer = CollectiveWeightSynchronizer(
+        [LocalParticipant(endpoint, "trainer 0")],
+        lambda: actor_shards(fleet),
+        LocalCluster(1).get_master_address_and_port,
+        refit_timeout_s=120,
+        options=CollectiveOptions(communicator_in_child=True),
+    )
+    with synchronizer:
+        assert synchronizer.sync_weights().ok
+        first = endpoint._group
+        assert isinstance(first, ChildProcessGroup)
+        assert digests_match(fleet, trainer) == [True, True]
+
+        synchronizer.reconcile_communicator({1})
+        trainer.step()
+        assert synchronizer.sync_weights().ok
+        assert first.aborted and isinstance(endpoint._group, ChildProcessGroup)
+        assert digests_match(fleet, trainer)[0]
+
+        synchronizer.reconcile_communicator(())
+        trainer.step()
+        assert synchronizer.sync_weights().ok
         assert digests_match(fleet, trainer) == [True, True]
 
 

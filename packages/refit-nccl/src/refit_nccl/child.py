@@ -50,7 +50,7 @@ from refit_nccl.backends import Communicator
 from refit_nccl.group import REDUCE_OPS, AbortableProcessGroup, GroupSpec, ReduceOpName
 from refit_nccl.packing import wire_view
 
-__all__ = ["ChildCommunicator", "ChildProcessGroup", "serve"]
+__all__ = ["ChildCommunicator", "ChildProcessGroup", "make_group", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -306,12 +306,7 @@ class ChildProcessGroup(AbortableProcessGroup):
     """
 
     def __init__(self, spec: GroupSpec) -> None:
-        if spec.backend != "gloo":
-            raise ValueError(
-                "a child-process communicator moves CPU tensors (gloo); CUDA tensors would "
-                "need CUDA IPC handles, which are not built"
-            )
-        super().__init__(spec)
+        super().__init__(dataclasses.replace(spec, in_child=True))
         # The parent bounds every wait itself; killing the child is what releases it.
         self._traits = dataclasses.replace(
             self._traits, per_call_timeout=True, abort_releases=False
@@ -338,6 +333,11 @@ class ChildProcessGroup(AbortableProcessGroup):
         """The child's group warmed up when it connected."""
 
 
+def make_group(spec: GroupSpec) -> AbortableProcessGroup:
+    """The group ``spec`` asks for: in a child process if ``spec.in_child``, else in this one."""
+    return ChildProcessGroup(spec) if spec.in_child else AbortableProcessGroup(spec)
+
+
 _CHILD_MAIN = "import sys; from refit_nccl.child import serve; serve(int(sys.argv[1]))"
 
 
@@ -347,7 +347,7 @@ def serve(fd: int) -> None:
     torch.set_num_threads(1)
     conn = Connection(fd)
     spec, connect_timeout_s = conn.recv()
-    group = AbortableProcessGroup(spec)
+    group = AbortableProcessGroup(dataclasses.replace(spec, in_child=False))
     try:
         group.connect(Deadline.after(connect_timeout_s))
     except Exception as exc:

@@ -30,6 +30,7 @@ from refit_core import (
 from refit_core.protocols import PolicyLike
 from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
+from refit_nccl.child import make_group
 from refit_nccl.geometry import DEFAULT_GEOMETRY
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.handshake import agree_on_plan
@@ -147,7 +148,7 @@ class _Endpoint(ABC):
             self._leave("joining a new group")
             deadline = _deadline(request.timeout_s, "join")
             plan = self._plan_for(request.state, request.geometry)
-            group = AbortableProcessGroup(request.group)
+            group = make_group(request.group)
             self._group = group
             group.connect(deadline)
             try:

@@ -79,6 +79,9 @@ class GroupSpec:
         rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
             ``"vllm"`` for a group that vLLM's stateless groups join
             (:mod:`refit_nccl.rendezvous`; gloo only).
+        in_child: run the communicator in a child process that is killed at the deadline
+            or on abort (:class:`~refit_nccl.child.ChildProcessGroup`; gloo only); build the
+            group with :func:`~refit_nccl.child.make_group`.
     """
 
     host: str
@@ -89,6 +92,7 @@ class GroupSpec:
     name: str = "refit"
     disarmed_timeout_s: float = DISARMED_TIMEOUT_S
     rendezvous: Rendezvous = "refit"
+    in_child: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -103,6 +107,11 @@ class GroupSpec:
             raise ValueError(
                 "vLLM's NCCL rendezvous (an NCCL unique id pickled into the store for "
                 "PyNcclCommunicator) is not built; a vllm-rendezvous group runs on gloo"
+            )
+        if self.in_child and self.backend != "gloo":
+            raise ValueError(
+                "a child-process communicator moves CPU tensors (gloo); CUDA tensors would "
+                "need CUDA IPC handles, which are not built"
             )
 
     @property

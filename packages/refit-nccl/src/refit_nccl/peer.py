@@ -16,6 +16,7 @@ from typing import Generic, Protocol, TypeVar
 from refit_core import CollectiveSenderSpec, Deadline, RefitAbortedError
 from refit_core.protocols import PolicyLike
 from refit_nccl.broadcast import TransferStats
+from refit_nccl.child import make_group
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 
@@ -84,7 +85,7 @@ class PeerTrainer(ABC, Generic[PlanT]):
                 self._group.abort("joining a new group")
             self._group = self._group_name = self._plan = None
             plan = self._build_plan(request.state, request.geometry)
-            group = AbortableProcessGroup(self._group_spec(request))
+            group = make_group(self._group_spec(request))
             self._group, self._group_name = group, request.group.name
             group.connect(Deadline.after(request.timeout_s))
             self._plan = plan

@@ -57,6 +57,10 @@ class CollectiveOptions:
         settle_s: once the deadline has passed and a participant has failed, how much longer
             the controller waits for the others (they release by the deadline plus ~1 s).
         group_name: prefix of each group's store keys; a counter makes every group unique.
+        communicator_in_child: every participant runs its communicator in a child process
+            that is killed at the deadline or on abort (``ChildProcessGroup``, gloo only),
+            for a backend whose calls neither time out nor end on abort; each (re)build
+            starts fresh children.
     """
 
     backend: Backend | None = None
@@ -65,6 +69,7 @@ class CollectiveOptions:
     grace_s: float = 5.0
     settle_s: float = 1.5
     group_name: str = "refit"
+    communicator_in_child: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._rendezvous = rendezvous
         self._options = options or CollectiveOptions()
         self._backend: Backend = self._options.backend or default_backend()
+        if self._options.communicator_in_child and self._backend != "gloo":
+            raise ValueError("communicator_in_child needs the gloo backend")
         self._counter = itertools.count()
         self._group: _Group | None = None
         self._stale_reason: str | None = None
@@ -229,7 +236,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             participant: participant.call(
                 "refit_join",
                 JoinRequest(
-                    GroupSpec(host, port, rank, membership.world_size, self._backend, name),
+                    GroupSpec(
+                        host,
+                        port,
+                        rank,
+                        membership.world_size,
+                        self._backend,
+                        name,
+                        in_child=self._options.communicator_in_child,
+                    ),
                     state,
                     geometry,
                     left,

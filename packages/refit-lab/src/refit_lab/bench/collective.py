@@ -5,7 +5,9 @@ rank 0 to 1 and to 3 receivers, four ways interleaved round by round in the same
 one flat broadcast of a single buffer of the same bytes (``flat``, the limit); refit's
 packed, pipelined buckets received straight into a destination laid out by the plan
 (``packed``) or copied out of staging buffers into separate tensors as an engine's
-load_weights does (``packed_copy``); and one broadcast per tensor (``per_tensor``, what
+load_weights does (``packed_copy``); ``packed`` again through refit-nccl's child-process
+communicator (``packed_child``: the killable-child fallback, whose extra cost is one copy into
+and one out of shared memory per bucket); and one broadcast per tensor (``per_tensor``, what
 several peers do). refit-lab's own flat gloo reference runs too (``flat_reference``), in its
 own processes, as a cross-check of the in-process ``flat``. Every receiver checks its bytes.
 
@@ -92,22 +94,29 @@ def _bitexact(expected: dict[str, torch.Tensor], received: dict[str, torch.Tenso
 
 
 def _connect(
-    rank: int, world: int, port: int, name: str, timeout_s: float
+    rank: int, world: int, port: int, name: str, timeout_s: float, *, in_child: bool = False
 ) -> AbortableProcessGroup:
     from refit_core import Deadline as RefitDeadline
-    from refit_nccl import AbortableProcessGroup, GroupSpec
+    from refit_nccl import AbortableProcessGroup, ChildProcessGroup, GroupSpec
 
-    group = AbortableProcessGroup(GroupSpec("127.0.0.1", port, rank, world, "gloo", name))
+    spec = GroupSpec("127.0.0.1", port, rank, world, "gloo", name)
+    group = ChildProcessGroup(spec) if in_child else AbortableProcessGroup(spec)
     group.connect(RefitDeadline.after(timeout_s))
     return group
 
 
-CASES = ("flat", "packed", "packed_copy", "per_tensor")
+CASES = ("flat", "packed", "packed_copy", "packed_child", "per_tensor")
 """Measured interleaved, round by round, in the same processes (fair under a noisy load)."""
 
 
 def _throughput_rank(
-    rank: int, world: int, port: int, total_bytes: int, rounds: int, threads: int, timeout_s: float
+    rank: int,
+    world: int,
+    ports: tuple[int, int],
+    total_bytes: int,
+    rounds: int,
+    threads: int,
+    timeout_s: float,
 ) -> dict[str, Any]:
     """One rank: ``rounds`` rounds of every case in :data:`CASES`, then a bitwise check."""
     import torch
@@ -129,8 +138,9 @@ def _throughput_rank(
         {n: TensorSpec.of(t) for n, t in state.items()},
         CollectiveSenderSpec("refit", BUCKET_BYTES, NUM_BUFFERS),
     )
-    group = _connect(rank, world, port, "bench-throughput", timeout_s)
+    group = _connect(rank, world, ports[0], "bench-throughput", timeout_s)
     agree_on_plan(group, plan.digest, RefitDeadline.after(timeout_s))
+    child = _connect(rank, world, ports[1], "bench-child", timeout_s, in_child=True)
     staging = StagingBuffers()
     flat = torch.zeros(_nbytes(state), dtype=torch.uint8)
     storage = PlanStorage(plan, torch.device("cpu"))
@@ -143,15 +153,16 @@ def _throughput_rank(
             dest[name].copy_(tensor)
 
     def run(case: str, deadline: RefitDeadline) -> None:
+        via = child if case == "packed_child" else group
         if case == "flat":
             group.broadcast(flat, 0, deadline)
         elif case == "per_tensor":
             for tensor in dest.values():
                 group.broadcast(tensor.view(-1), 0, deadline)
         elif rank == 0:
-            send_packed(group, plan, dest.items(), deadline, staging=staging)
-        elif case == "packed":
-            receive_packed(group, plan, lambda _: None, deadline, into=storage)
+            send_packed(via, plan, dest.items(), deadline, staging=staging)
+        elif case in ("packed", "packed_child"):
+            receive_packed(via, plan, lambda _: None, deadline, into=storage)
         else:
             receive_packed(group, plan, copy_out, deadline, staging=staging)
 
@@ -164,12 +175,13 @@ def _throughput_rank(
             start = time.perf_counter()
             run(case, deadline)
             times[case].append(time.perf_counter() - start)
-            if rank and index == rounds - 1 and case in ("packed", "packed_copy", "per_tensor"):
-                received = storage.tensors() if case == "packed" else dest
+            if rank and index == rounds - 1 and case != "flat":
+                received = dest if case in ("packed_copy", "per_tensor") else storage.tensors()
                 exact = exact and _bitexact(transformer_state(total_bytes), received)
-                for tensor in dest.values():
-                    tensor.zero_()  # per_tensor must deliver again, not find packed_copy's bytes
+                for tensor in [*dest.values(), *storage.tensors().values()]:
+                    tensor.zero_()  # the next case must deliver again, not find these bytes
     group.abort("bench done")
+    child.abort("bench done")
     return {"times": times, "bitexact": exact}
 
 
@@ -185,11 +197,11 @@ def measure_throughput(
     """GB/s of every case to ``receivers``: median over rounds (warm-up dropped) of the
     slowest rank's time; and whether every receiver got every case bitwise."""
     world = receivers + 1
-    port = free_port()
-    deadline = Deadline(SETUP_S + 120.0 * (repeats + 1), f"collective x{receivers}")
+    ports = (free_port(), free_port())
+    deadline = Deadline(2 * SETUP_S + 150.0 * (repeats + 1), f"collective x{receivers}")
     threads = rank_threads(ctx, world)
     args = [
-        (rank, world, port, total_bytes, repeats + 1, threads, SETUP_S) for rank in range(world)
+        (rank, world, ports, total_bytes, repeats + 1, threads, SETUP_S) for rank in range(world)
     ]
     with ChildGroup(_throughput_rank, args, deadline=deadline, name="throughput-rank") as ranks:
         results = ranks.results()
@@ -315,7 +327,7 @@ def measure(
     progress(f"memcpy {total} bytes")
     memcpy = memcpy_gbps(total, repeats=repeats, threads=ctx.threads)
     results: list[dict[str, object]] = []
-    ratios: list[tuple[float, float, float]] = []
+    ratios: list[tuple[float, float, float, float]] = []
     exact = True
     for receivers in RECEIVERS:
         threads = rank_threads(ctx, receivers + 1)
@@ -332,6 +344,7 @@ def measure(
                 rates["packed"] / flat,
                 rates["packed"] / rates["per_tensor"],
                 rates["packed_copy"] / flat,
+                rates["packed_child"] / rates["packed"],
             )
         )
         for case, rate in {**rates, "flat_reference": reference}.items():
@@ -353,6 +366,7 @@ def measure(
         "packed_vs_flat_throughput": min(r[0] for r in ratios),
         "packed_speedup_vs_per_tensor": min(r[1] for r in ratios),
         "packed_copy_vs_flat_throughput": min(r[2] for r in ratios),
+        "packed_child_vs_packed_throughput": min(r[3] for r in ratios),
     }
     if abort:
         progress("abort: frozen receiver, deadline 2 s")
