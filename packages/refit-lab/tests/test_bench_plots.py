@@ -80,7 +80,7 @@ def test_series_come_from_the_measured_rows(
     assert all(x > 0 and y > 0 for points in lines.values() for x, y in points)
     assert [x for x, _ in lines["refit"]] == sorted(x for x, _ in lines["refit"])
     lines = collective_series(collective_report.results)
-    assert set(lines) == {"flat", "packed", "packed_copy", "per_tensor"}
+    assert set(lines) == {"flat", "packed", "packed_copy", "packed_child", "per_tensor"}
     assert all([x for x, _ in p] == list(collective.RECEIVERS) for p in lines.values())
     assert relay_series(codec_report.results) == {}
 

@@ -2,9 +2,9 @@
 
 Three plots, each from one bench's results: refit time against receivers for the relay tree
 and the raw star (``relay``, shaped links only), encode throughput against the fraction of
-changed elements (``codec``), and packed, flat and per-tensor broadcast throughput against
-receivers (``collective``). A plot whose bench did not run, or did not measure its cases,
-is skipped with an INFO log.
+changed elements (``codec``), and packed (in process and in a killable child), flat and
+per-tensor broadcast throughput against receivers (``collective``). A plot whose bench did
+not run, or did not measure its cases, is skipped with an INFO log.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ Rows = list[dict[str, object]]
 RELAY_CASES = {"shaped_tree_dense": "relay tree (fan-out 1)", "shaped_star_dense": "raw zmq star"}
 CODEC_METHODS = ("refit", "xor_zstd", "nemo", "numpy_naive")
 CODEC_CASE_PREFIX = "adamw_"
-COLLECTIVE_CASES = ("packed", "packed_copy", "flat", "per_tensor")
+COLLECTIVE_CASES = ("packed", "packed_copy", "packed_child", "flat", "per_tensor")
 
 
 def _number(row: dict[str, object], key: str) -> float:
