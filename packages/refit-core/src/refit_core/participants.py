@@ -1,8 +1,9 @@
-"""Controller-side handles on the participants of a collective refit.
+"""Controller-side handles on the participants of a refit (trainer ranks, engine workers).
 
-A participant is an endpoint (:mod:`refit_nccl.endpoint`) reached either as a Ray actor or
-as an object in the controller's own process; both answer ``call(method, *args)`` with a
-future, so the controller waits on all of them with one timeout and never blocks on one.
+A participant is an endpoint (refit-nccl's trainer and engine endpoints, refit-zmq's shard
+producers) reached either as a Ray actor or as an object in the controller's own process;
+both answer ``call(method, *args)`` with a future, so the controller waits on all of them
+with one timeout and never blocks on one.
 """
 
 from __future__ import annotations
