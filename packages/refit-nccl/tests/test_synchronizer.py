@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,7 +15,12 @@ from refit_core import (
     RefitTimeoutError,
     create_weight_synchronizer,
 )
-from refit_lab.conformance import RefitDeployment, SynchronizerConformance, trainer_generation
+from refit_lab.conformance import (
+    FleetDeployment,
+    RefitDeployment,
+    SynchronizerConformance,
+    trainer_generation,
+)
 from refit_lab.digest import state_digest
 from refit_lab.faults import freeze, kill, thaw
 from refit_lab.ray_cluster import LocalCluster, local_ray
@@ -80,23 +84,6 @@ def make_synchronizer(
     return synchronizer
 
 
-@dataclass
-class RayDeployment(RefitDeployment):
-    fleet: Any = None
-
-    def engine_digests(self) -> list[dict[str, int]]:
-        digests: list[dict[str, int]] = self.fleet.call("state_digests")
-        return digests
-
-    def engine_versions(self) -> list[int]:
-        versions: list[int] = self.fleet.call("weight_version")
-        return versions
-
-    def engine_generate(self, prompts: Any, max_new_tokens: int) -> list[list[list[int]]]:
-        tokens: list[list[list[int]]] = self.fleet.call("generate", prompts, max_new_tokens)
-        return tokens
-
-
 @pytest.mark.timeout(240)
 class TestCollectiveConformance(SynchronizerConformance):
     """The shared conformance suite over two reference-engine shards on Ray."""
@@ -109,7 +96,7 @@ class TestCollectiveConformance(SynchronizerConformance):
     def create_deployment(self) -> RefitDeployment:
         trainer = SimulatedTrainer(random_checkpoint(CONFIG, 0), lr=1e-2)
         synchronizer = make_synchronizer(trainer, self.fleet)
-        return RayDeployment(trainer, synchronizer, CONFIG, self.fleet)
+        return FleetDeployment(trainer, synchronizer, CONFIG, self.fleet)
 
 
 def digests_match(fleet: Any, trainer: SimulatedTrainer) -> list[bool]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import pytest
 
@@ -24,8 +25,10 @@ from refit_lab.trainer import SimulatedTrainer
 
 __all__ = [
     "PROMPTS",
+    "FleetDeployment",
     "RefitDeployment",
     "SynchronizerConformance",
+    "WorkerFleet",
     "check_bitwise_delivery",
     "check_generation_matches_trainer",
     "check_noop_reconcile",
@@ -63,6 +66,38 @@ class RefitDeployment(ABC):
     def close(self) -> None:
         """Release the deployment (the synchronizer, engines, actors)."""
         self.synchronizer.shutdown()
+
+
+class WorkerFleet(Protocol):
+    """Reference-engine workers (Ray actors, say) answering one method on every worker."""
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every worker, their answers in worker order."""
+        ...
+
+
+@dataclass
+class FleetDeployment(RefitDeployment):
+    """A deployment whose engines are a :class:`WorkerFleet` of reference-engine workers
+    serving ``state_digests``, ``weight_version`` and ``generate``."""
+
+    fleet: WorkerFleet | None = None
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        if self.fleet is None:
+            raise ValueError("FleetDeployment needs its fleet")
+        return self.fleet.call(method, *args)
+
+    def engine_digests(self) -> list[dict[str, int]]:
+        return self._call("state_digests")
+
+    def engine_versions(self) -> list[int]:
+        return self._call("weight_version")
+
+    def engine_generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> list[list[list[int]]]:
+        return self._call("generate", prompts, max_new_tokens)
 
 
 def trainer_generation(

@@ -7,7 +7,6 @@ import logging
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from refit_core import (
 )
 from refit_core.sources import StateDictSource
 from refit_core.types import NamedTensor, StateDictInfo
-from refit_lab.conformance import RefitDeployment, SynchronizerConformance
+from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.faults import thaw
 from refit_lab.reference_engine import random_checkpoint
@@ -33,23 +32,6 @@ pytestmark = pytest.mark.timeout(300)
 
 KiB = 1024
 TIMEOUT_S = 3.0
-
-
-@dataclass
-class IpcDeployment(RefitDeployment):
-    engines: Any = None
-
-    def engine_digests(self) -> list[dict[str, int]]:
-        digests: list[dict[str, int]] = self.engines.call("state_digests")
-        return digests
-
-    def engine_versions(self) -> list[int]:
-        versions: list[int] = self.engines.call("weight_version")
-        return versions
-
-    def engine_generate(self, prompts: Any, max_new_tokens: int) -> list[list[list[int]]]:
-        tokens: list[list[list[int]]] = self.engines.call("generate", prompts, max_new_tokens)
-        return tokens
 
 
 class TestIpcConformance(SynchronizerConformance):
@@ -71,7 +53,7 @@ class TestIpcConformance(SynchronizerConformance):
             refit_timeout_s=60.0,
         )
         assert isinstance(synchronizer, IpcWeightSynchronizer)
-        return IpcDeployment(trainer, synchronizer, CONFIG, self.engines)
+        return FleetDeployment(trainer, synchronizer, CONFIG, self.engines)
 
 
 class _LyingSource:

@@ -3,7 +3,6 @@ the conformance suite, sparse refits, stale engines and dead relays."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -11,7 +10,7 @@ import ray
 from sparse_actors import CONFIG, EngineFleet, RayTrainer
 
 from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
-from refit_lab.conformance import RefitDeployment, SynchronizerConformance
+from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.reference_engine import random_checkpoint
@@ -28,23 +27,6 @@ OPTIONS = ZmqSparseOptions(
     verify_digests=True,
     tuning=RelayTuning(chunk_bytes=64 * 1024, max_inflight_bytes=16 << 20, retries=1),
 )
-
-
-@dataclass
-class SparseDeployment(RefitDeployment):
-    engines: Any = None
-
-    def engine_digests(self) -> list[dict[str, int]]:
-        digests: list[dict[str, int]] = self.engines.call("state_digests")
-        return digests
-
-    def engine_versions(self) -> list[int]:
-        versions: list[int] = self.engines.call("weight_version")
-        return versions
-
-    def engine_generate(self, prompts: Any, max_new_tokens: int) -> list[list[list[int]]]:
-        tokens: list[list[list[int]]] = self.engines.call("generate", prompts, max_new_tokens)
-        return tokens
 
 
 class TestZmqSparseConformance(SynchronizerConformance):
@@ -68,7 +50,7 @@ class TestZmqSparseConformance(SynchronizerConformance):
             transport="zmq_sparse",
         )
         assert isinstance(synchronizer, ZmqSparseWeightSynchronizer)
-        return SparseDeployment(trainer, synchronizer, CONFIG, self.engines)
+        return FleetDeployment(trainer, synchronizer, CONFIG, self.engines)
 
 
 def _synchronizer(trainer: SimulatedTrainer, engines: EngineFleet) -> ZmqSparseWeightSynchronizer:
