@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -67,3 +68,49 @@ def test_flush_reports_what_was_applied_and_what_is_missing(
         trainer.shards[0].tracker.commit()
     finally:
         trainer.close()
+
+
+def test_subtree_flush_names_a_silent_child_within_the_wait() -> None:
+    relays = [
+        ZmqSparseRefitServer(
+            TensorReceiver(make_state(81), version=0),
+            api_key_env_var=None,
+            timeout_s=3.0,
+            tuning=TUNING,
+        )
+        for _ in range(2)
+    ]
+    parent, child = (relay.start() for relay in relays)
+    trainer = Trainer(make_state(81), version=0)
+    try:
+        for relay, own in zip(relays, (parent, child), strict=True):
+            relay.configure_tree([parent, child], own_address=own)
+        trainer.step(seed=82)
+        payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
+        transfer_id = new_transfer_id(1)
+        with ZmqSparseRefitClient(parent, timeout_s=3.0, producer_id="p", retries=0) as client:
+            for index, payload in enumerate(payloads):
+                client.send_payload(
+                    transfer_id=transfer_id,
+                    payload_id=str(index),
+                    checksum=payload.checksum,
+                    verification_candidates=0,
+                    body=payload,
+                    relay_root=parent,
+                )
+        healthy = relays[0].flush_subtree(transfer_id, len(payloads))
+        assert set(healthy) == {parent, child}
+        assert all(r["complete"] and r["applied"] == len(payloads) for r in healthy.values())
+
+        relays[1].close()  # the child goes silent; the parent's report must name it in time
+        started = time.monotonic()
+        reports = relays[0].flush_subtree(transfer_id, len(payloads), timeout_s=1.0)
+        assert time.monotonic() - started < 1.0 + 1.0, "not answered within the wait"
+        assert reports[parent] == healthy[parent], "the parent's own report is unchanged"
+        assert reports[child]["complete"] is False
+        assert [f["code"] for f in reports[child]["failures"]] == ["UNREACHABLE"]
+        trainer.shards[0].tracker.abort()
+    finally:
+        trainer.close()
+        for relay in relays:
+            relay.close()

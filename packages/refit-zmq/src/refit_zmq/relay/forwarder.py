@@ -4,10 +4,10 @@ Each payload is offered with BEGIN; once the child answers READY, every chunk th
 arrived so far is streamed and every later one as soon as it arrives. Payloads stream one at
 a time, but the BEGINs of the next ``window_payloads - 1`` queued ones go out ahead, so their
 READY round trip (which may wait behind the child's own queued traffic on a shaped link)
-overlaps the current payload's stream instead of idling the link between payloads. Sends never block:
-when the child's high-water mark is reached the rest waits for POLLOUT, and the payload's
-bytes stay in the parent's staging (counted in its budget) until streamed. A child that
-stops answering for ``timeout_s`` (or fails the security handshake) fails every payload
+overlaps the current payload's stream instead of idling the link between payloads. Sends
+never block: when the child's high-water mark is reached the rest waits for POLLOUT, and the
+payload's bytes stay in the parent's staging (counted in its budget) until streamed. A child
+that stops answering for ``timeout_s`` (or fails the security handshake) fails every payload
 queued for it, and its socket is made anew.
 """
 

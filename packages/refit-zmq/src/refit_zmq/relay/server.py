@@ -216,15 +216,13 @@ class ZmqSparseRefitServer:
             lambda: parts.control.flush(transfer_id, expected, wait_s, False, respond)
         )
         self._wake()
-        # a subtree is as deep as the tree: each level may wait its own wait_s
-        tree = self._topology.tree
-        depth = len(tree.relays) if subtree and tree is not None else 1
-        return future.result(timeout=depth * (wait_s + 1.0) + self._timeout_s)
+        return future.result(timeout=wait_s + self._timeout_s)
 
     def flush_subtree(
         self, transfer_id: str, expected_payloads: int = 0, *, timeout_s: float | None = None
     ) -> dict[str, dict[str, Any]]:
-        """:meth:`flush`, then the same for every relay this one forwarded to, recursively.
+        """:meth:`flush`, then the same for every relay this one forwarded to, recursively,
+        all within ``timeout_s`` (default: the relay's ``timeout_s``).
 
         Returns:
             Relay address -> its report, for this relay and its whole subtree (a child that

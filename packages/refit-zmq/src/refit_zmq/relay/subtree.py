@@ -5,11 +5,18 @@ applied here and acknowledged by each child), then asks every child it forwarded
 subtree FLUSH of the payloads it sent there, and answers with one report per relay. The
 children are asked from a worker thread (their answers may take the whole wait), whose result
 is handed back to the event loop like a receiver job's.
+
+The whole subtree answers within the request's ``wait_s``: a relay gives each child
+:data:`CHILD_SHARE` of what is left of its own budget, and waits for the child's answer no
+longer than the rest, without retries. So a silent relay is reported UNREACHABLE by its own
+parent, before that parent's budget (and its ancestors') runs out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -21,12 +28,15 @@ from refit_zmq.relay.frames import Kind
 from refit_zmq.relay.jobs import ReceiverJobs
 from refit_zmq.relay.tuning import RelayTuning
 
-__all__ = ["Respond", "SubtreeFlush"]
+__all__ = ["CHILD_SHARE", "Respond", "SubtreeFlush"]
 
 logger = logging.getLogger(__name__)
 
 Respond = Callable[[dict[str, Any]], None]
 """Gets a FLUSH answer's ``result``."""
+
+CHILD_SHARE = 0.75
+"""The part of a relay's remaining budget its children get for their own subtrees."""
 
 
 class SubtreeFlush:
@@ -35,7 +45,7 @@ class SubtreeFlush:
     Args:
         signer: the relay's API key signer (children share the key).
         curve: the relays' CURVE key, when they encrypt.
-        tuning: retries, backoff, high-water marks.
+        tuning: high-water marks (children are asked once: see the module docstring).
         wake: wakes the relay's event loop (a child's answer arrived).
     """
 
@@ -47,16 +57,17 @@ class SubtreeFlush:
         tuning: RelayTuning,
         wake: Callable[[], None],
     ) -> None:
-        self._channel = ControlChannel(signer=signer, curve=curve, tuning=tuning)
+        once = dataclasses.replace(tuning, retries=0)
+        self._channel = ControlChannel(signer=signer, curve=curve, tuning=once)
         self._jobs = ReceiverJobs(wake, name="subtree-flush")
 
-    def gather(self, own: str, report: dict[str, Any], wait_s: float, respond: Respond) -> None:
+    def gather(self, own: str, report: dict[str, Any], deadline: float, respond: Respond) -> None:
         """Call ``respond({"relays": {address: report}})`` for ``own`` and its subtree.
 
         Args:
             own: this relay's address.
             report: this relay's settled flush report.
-            wait_s: how long each child may wait for its own subtree.
+            deadline: the ``time.monotonic()`` by which this relay must answer.
             respond: gets the merged reports, on the event loop.
         """
         sent = {
@@ -67,13 +78,14 @@ class SubtreeFlush:
         if not sent:
             respond({"relays": {own: report}})
             return
+        left_s = max(0.0, deadline - time.monotonic())
         requests = {
             child: (
                 Kind.FLUSH,
                 {
                     "transfer_id": report["transfer_id"],
                     "expected_payloads": payloads,
-                    "wait_s": wait_s,
+                    "wait_s": CHILD_SHARE * left_s,
                     "subtree": True,
                 },
             )
@@ -81,7 +93,7 @@ class SubtreeFlush:
         }
 
         def ask() -> dict[str, Reply]:
-            return self._channel.call(requests, reply_within_s=wait_s + 1.0)
+            return self._channel.call(requests, reply_within_s=left_s)
 
         def merge(future: Future[dict[str, Reply]]) -> None:
             relays = {own: report}

@@ -95,8 +95,10 @@ class TransferControl:
         )
 
     def with_subtree(self, wait_s: float, respond: Respond) -> Respond:
-        """A responder that first gathers the subtree's reports around this relay's own."""
-        return lambda report: self._subtree.gather(self._topology.own, report, wait_s, respond)
+        """A responder that first gathers the subtree's reports around this relay's own, the
+        whole answer within ``wait_s`` from now."""
+        deadline = time.monotonic() + wait_s
+        return lambda report: self._subtree.gather(self._topology.own, report, deadline, respond)
 
     def _settled(self, waiter: _FlushWaiter) -> bool:
         record = self._ledger.record(waiter.transfer_id)
