@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from relay_helpers import (
     TUNING,
     RelayFleet,
@@ -17,10 +19,14 @@ from relay_helpers import (
 )
 
 from refit_core.errors import RefitError, RefitTimeoutError, StaleBaseError
+from refit_core.sources import StateDictSource
+from refit_core.types import NamedTensor, StateDictInfo
 from refit_zmq.relay import (
     RelayCoordinator,
     RelayTree,
+    TransferOptions,
     new_transfer_id,
+    run_transfer,
     stream_sparse_delta_payloads_via_zmq,
 )
 from refit_zmq.relay.auth import Signer
@@ -218,4 +224,50 @@ def test_subtree_flush_of_the_root_reports_every_relay_of_its_tree(
         assert set(subtree_of(leaf)) == {leaf}, "a leaf's subtree is itself"
     finally:
         channel.close()
+        trainer.close()
+
+
+class _StalledWeights:
+    """A trainer rank frozen in the middle of producing its weights (a hung gather, say)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], stall_s: float) -> None:
+        self._source = StateDictSource(state)
+        self._stall_s = stall_s
+
+    def state_dict_info(self) -> StateDictInfo:
+        return self._source.state_dict_info()
+
+    def iter_tensors(self) -> Iterator[NamedTensor]:
+        tensors = self._source.iter_tensors()
+        yield next(tensors)
+        time.sleep(self._stall_s)
+        yield from tensors
+
+
+def test_wedged_producer_is_named_at_the_deadline_and_nothing_is_half_applied(
+    fleet: RelayFleet, coordinator: RelayCoordinator
+) -> None:
+    trainer = fresh_trainer(coordinator, seed=17, shard_count=2)
+    try:
+        before = held_digests(coordinator)
+        trainer.step(seed=170)
+        stalled = trainer.state
+        trainer.weight_source = lambda: _StalledWeights(stalled, stall_s=4.0)  # type: ignore[method-assign]
+        options = TransferOptions(None, 15.0, TUNING, None, 32)
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError) as caught:
+            run_transfer(
+                coordinator,
+                trainer.participants,
+                target_version=trainer.version + 1,
+                resync=False,
+                options=options,
+                wait_s=1.0,
+            )
+        assert time.monotonic() - started < 1.0 + 1.0, "not released by the deadline"
+        assert set(caught.value.wedged_workers) == {"producer 0", "producer 1"}
+        assert held_digests(coordinator) == before, "a relay kept part of the aborted refit"
+        time.sleep(4.0)  # the stalled producers wake up, find the transfer aborted, abort
+        assert all(p.tracker.pending is None for p in trainer.shards)
+    finally:
         trainer.close()
