@@ -42,8 +42,16 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
     summary = report.summary
     assert summary["all_receivers_bitexact"] is True and summary["shaped_measured"] is False
     assert summary["transport_efficiency_vs_raw_zmq"] > 0
+    assert 0 < float(summary["transport_efficiency_cpu_bound"]) <= 1
     cases = [r["case"] for r in report.results]
-    assert cases == ["loopback_dense", "loopback_sparse_1pct", "loopback_raw_zmq"]
+    assert cases == [
+        "loopback_dense",
+        "loopback_sparse_1pct",
+        "loopback_raw_zmq",
+        "loopback_receiver_floor",
+    ]
+    raw, floor = report.results[2:]
+    assert float(str(raw["cpu_s"])) > 0 and float(str(floor["cpu_s"])) > 0
     sparse = report.results[1]
     assert int(str(sparse["wire_bytes"])) < int(str(sparse["dense_bytes"])) / 10
 

@@ -7,9 +7,12 @@ weakened reference shows up as a low rate rather than a flattering ratio.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import statistics
 import time
-from typing import TYPE_CHECKING, Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import zmq
@@ -134,7 +137,7 @@ def gloo_broadcast_gbps(
     return rate
 
 
-def _poll_in(sock: zmq.Socket[bytes], deadline: Deadline, group: ChildGroup[None] | None) -> None:
+def _poll_in(sock: zmq.Socket[bytes], deadline: Deadline, group: ChildGroup[Any] | None) -> None:
     """Wait until `sock` has a message, checking `deadline` (and the child group) meanwhile."""
     while not sock.poll(_POLL_MS, zmq.POLLIN):
         deadline.check()
@@ -149,9 +152,11 @@ def _zmq_receiver(
     chunk_bytes: int,
     rounds: int,
     timeout_s: float,
-) -> None:
-    """Receiver of the zmq reference: pull `rounds` x `nbytes` into one buffer, ack each round."""
+) -> list[float]:
+    """Receiver of the zmq reference: pull `rounds` x `nbytes` into one buffer, ack each round;
+    the CPU seconds (all its threads) of every round but the first."""
     deadline = Deadline(timeout_s, "zmq receiver")
+    cpu = [time.process_time()]
     dst = np.zeros(nbytes, dtype=np.uint8)
     view = dst.data
     with zmq.Context() as ctx:
@@ -170,8 +175,10 @@ def _zmq_receiver(
                         raise RuntimeError(f"zmq receiver: frame of {size} bytes > chunk_bytes")
                     offset += size
                 ack.send(round_index.to_bytes(8, "little"))
+                cpu.append(time.process_time())
     if not bool((dst[::_CHECK_STRIDE] == _FILL).all()):
         raise RuntimeError("zmq receiver: stream delivered wrong bytes")
+    return [end - start for start, end in itertools.pairwise(cpu[1:])]
 
 
 def _send_chunks(
@@ -179,7 +186,7 @@ def _send_chunks(
     src: memoryview,
     chunk_bytes: int,
     deadline: Deadline,
-    group: ChildGroup[None],
+    group: ChildGroup[Any],
 ) -> None:
     for offset in range(0, len(src), chunk_bytes):
         chunk = src[offset : offset + chunk_bytes]
@@ -194,7 +201,7 @@ def _send_chunks(
 
 
 def _await_ack(
-    sock: zmq.Socket[bytes], expected: bytes, deadline: Deadline, group: ChildGroup[None]
+    sock: zmq.Socket[bytes], expected: bytes, deadline: Deadline, group: ChildGroup[Any]
 ) -> None:
     _poll_in(sock, deadline, group)
     got = sock.recv()
@@ -202,13 +209,23 @@ def _await_ack(
         raise RuntimeError(f"zmq reference: expected ack {expected!r}, got {got!r}")
 
 
-def zmq_stream_gbps(
+@dataclass(frozen=True)
+class ZmqStream:
+    """The median round of a raw pyzmq stream: wall seconds, rate, and the CPU seconds both
+    processes spent (every thread, libzmq's I/O threads included)."""
+
+    seconds: float
+    gbps: float
+    cpu_s: float
+
+
+def zmq_stream(
     nbytes: int,
     *,
     repeats: int,
     chunk_bytes: int = MiB,
     timeout_s: float | None = None,
-) -> float:
+) -> ZmqStream:
     """Raw pyzmq PUSH/PULL stream of `nbytes` over tcp loopback to a receiver process.
 
     Zero-copy sends (`copy=False`) of `chunk_bytes` frames; the receiver copies every frame into
@@ -222,6 +239,7 @@ def zmq_stream_gbps(
     src = np.full(nbytes, _FILL, dtype=np.uint8)
     view = src.data
     times: list[float] = []
+    sender_cpu: list[float] = []
     with zmq.Context() as ctx:
         ctx.setsockopt(zmq.LINGER, 0)
         with ctx.socket(zmq.PUSH) as data, ctx.socket(zmq.PULL) as ack:
@@ -240,14 +258,29 @@ def zmq_stream_gbps(
             with ChildGroup(_zmq_receiver, args, deadline=deadline, name="zmq-receiver") as group:
                 _await_ack(ack, b"ready", deadline, group)
                 for round_index in range(rounds):
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     _send_chunks(data, view, chunk_bytes, deadline, group)
                     _await_ack(ack, round_index.to_bytes(8, "little"), deadline, group)
                     times.append(time.perf_counter() - start)
-                group.results()
-    rate = gbps(nbytes, TimingStats.from_samples(times[1:]).median_s)
-    logger.info("zmq stream %d bytes: %.3f GB/s (median of %d)", nbytes, rate, repeats)
-    return rate
+                    sender_cpu.append(time.process_time() - cpu_start)
+                (receiver_cpu,) = group.results()
+    seconds = TimingStats.from_samples(times[1:]).median_s
+    cpu_s = statistics.median(a + b for a, b in zip(sender_cpu[1:], receiver_cpu, strict=True))
+    logger.info(
+        "zmq stream %d bytes: %.3f s, %.3f CPU s (median of %d)", nbytes, seconds, cpu_s, repeats
+    )
+    return ZmqStream(seconds=seconds, gbps=gbps(nbytes, seconds), cpu_s=cpu_s)
+
+
+def zmq_stream_gbps(
+    nbytes: int,
+    *,
+    repeats: int,
+    chunk_bytes: int = MiB,
+    timeout_s: float | None = None,
+) -> float:
+    """The rate of :func:`zmq_stream`."""
+    return zmq_stream(nbytes, repeats=repeats, chunk_bytes=chunk_bytes, timeout_s=timeout_s).gbps
 
 
 def _recipe_bits(tensor: torch.Tensor) -> torch.Tensor:
