@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
-from refit_lab.bench.references import MiB, gloo_broadcast_gbps, memcpy_gbps, zmq_stream_gbps
+from refit_lab.bench.references import MiB, gloo_broadcast_gbps, memcpy_gbps, zmq_stream
 
 QUICK_BYTES = 64 * MiB
 FULL_BYTES = 512 * MiB
@@ -17,7 +17,7 @@ def measure(ctx: BenchContext, *, nbytes: int, repeats: int = REPEATS) -> BenchR
     ctx.progress(f"gloo broadcast {nbytes} bytes", 1 / 3)
     gloo = gloo_broadcast_gbps(nbytes, repeats=repeats, threads=ctx.threads)
     ctx.progress(f"zmq stream {nbytes} bytes", 2 / 3)
-    zmq = zmq_stream_gbps(nbytes, repeats=repeats)
+    zmq = zmq_stream(nbytes, repeats=repeats).gbps
     ctx.progress("baseline done", 1.0)
     rates = {"memcpy": memcpy, "gloo_broadcast": gloo, "zmq_stream": zmq}
     return BenchReport(

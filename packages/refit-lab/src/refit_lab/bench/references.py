@@ -272,17 +272,6 @@ def zmq_stream(
     return ZmqStream(seconds=seconds, gbps=gbps(nbytes, seconds), cpu_s=cpu_s)
 
 
-def zmq_stream_gbps(
-    nbytes: int,
-    *,
-    repeats: int,
-    chunk_bytes: int = MiB,
-    timeout_s: float | None = None,
-) -> float:
-    """The rate of :func:`zmq_stream`."""
-    return zmq_stream(nbytes, repeats=repeats, chunk_bytes=chunk_bytes, timeout_s=timeout_s).gbps
-
-
 def _recipe_bits(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's elements as a flat integer tensor of the same width (no copy)."""
     import torch
