@@ -23,7 +23,7 @@ from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import RETRYABLE, NackCode, error_for_nack
 from refit_zmq.relay.frames import Kind, Message, encode
-from refit_zmq.relay.link import Link
+from refit_zmq.relay.link import Link, LinkSettings
 from refit_zmq.relay.tuning import RelayTuning
 
 __all__ = ["ZmqSparseRefitClient"]
@@ -86,7 +86,9 @@ class ZmqSparseRefitClient:
         self.retries = retries
         self._tuning = tuning or RelayTuning()
         self._signer = Signer(api_key)
-        self._curve = None if curve is None else curve.public_only()
+        self._settings = LinkSettings(
+            self._signer, None if curve is None else curve.public_only(), self._tuning.hwm_messages
+        )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._local = threading.local()
         self._links: list[Link] = []
@@ -99,13 +101,7 @@ class ZmqSparseRefitClient:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("client is closed")
-                link = Link(
-                    self._context,
-                    self.address,
-                    signer=self._signer,
-                    curve=self._curve,
-                    hwm=self._tuning.hwm_messages,
-                )
+                link = self._settings.open(self._context, self.address)
                 self._links.append(link)
             self._local.link = link
         return link

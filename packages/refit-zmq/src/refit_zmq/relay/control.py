@@ -22,7 +22,7 @@ from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode, error_for_nack
 from refit_zmq.relay.frames import Kind, Message, encode
-from refit_zmq.relay.link import Link
+from refit_zmq.relay.link import Link, LinkSettings
 from refit_zmq.relay.tuning import RelayTuning
 
 __all__ = ["ControlChannel", "Reply"]
@@ -61,22 +61,17 @@ class ControlChannel:
         tuning: RelayTuning | None = None,
     ) -> None:
         self._signer = signer
-        self._curve = None if curve is None else curve.public_only()
         self._tuning = tuning or RelayTuning()
+        self._settings = LinkSettings(
+            signer, None if curve is None else curve.public_only(), self._tuning.hwm_messages
+        )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._links: dict[str, Link] = {}
 
     def _link(self, address: str) -> Link:
         link = self._links.get(address)
         if link is None:
-            link = Link(
-                self._context,
-                address,
-                signer=self._signer,
-                curve=self._curve,
-                hwm=self._tuning.hwm_messages,
-            )
-            self._links[address] = link
+            link = self._links[address] = self._settings.open(self._context, address)
         return link
 
     def call(

@@ -24,7 +24,7 @@ from refit_zmq.relay.forwarder import ChildLink, Forward
 from refit_zmq.relay.frames import Kind, Message
 from refit_zmq.relay.jobs import ReceiverJobs
 from refit_zmq.relay.ledger import Ledger
-from refit_zmq.relay.link import Link
+from refit_zmq.relay.link import LinkSettings
 from refit_zmq.relay.receiver import Receiver
 from refit_zmq.relay.replies import Replies, payload_ids
 from refit_zmq.relay.staging import PayloadKey, Pending, StagedPayload, Staging
@@ -73,7 +73,7 @@ class PayloadIntake:
         self._topology = topology
         self._replies = replies
         self._signer = signer
-        self._curve = curve
+        self._settings = LinkSettings(signer, curve, tuning.hwm_messages)
         self._tuning = tuning
         self._timeout_s = timeout_s
         self._progress = progress
@@ -183,15 +183,8 @@ class PayloadIntake:
         """The link to a child relay (made on first use)."""
         child = self.children.get(address)
         if child is None:
-            link = Link(
-                self._context,
-                address,
-                signer=self._signer,
-                curve=self._curve,
-                hwm=self._tuning.hwm_messages,
-            )
             child = ChildLink(
-                link,
+                self._settings.open(self._context, address),
                 signer=self._signer,
                 events=self,
                 timeout_s=self._timeout_s,

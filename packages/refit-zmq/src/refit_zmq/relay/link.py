@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,7 +24,7 @@ from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode
 from refit_zmq.relay.frames import MAX_HEADER_BYTES, Kind, Message, parse
 
-__all__ = ["Link", "socket_options"]
+__all__ = ["Link", "LinkSettings", "socket_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,19 @@ def socket_options(socket: zmq.Socket[bytes], *, hwm: int, max_message_bytes: in
     socket.setsockopt(zmq.SNDHWM, hwm)
     socket.setsockopt(zmq.RCVHWM, hwm)
     socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """What every link one side opens shares: its signer, the relays' CURVE key, the HWM."""
+
+    signer: Signer
+    curve: CurveConfig | None
+    hwm: int
+
+    def open(self, context: zmq.Context[zmq.Socket[bytes]], address: str) -> Link:
+        """A link to ``address`` with these settings."""
+        return Link(context, address, signer=self.signer, curve=self.curve, hwm=self.hwm)
 
 
 class Link:
