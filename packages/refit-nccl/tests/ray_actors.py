@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
 from refit_core import CollectiveSenderSpec
+from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.digest import state_digest
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl.endpoint import EngineEndpoint, TrainerEndpoint
 
 
-class EngineWorker(EngineEndpoint):
+class EngineWorker(EngineEndpoint, EngineWorkerProbes):
     """A reference-engine worker with probes. ``reset`` starts over on a fresh engine without
     a new process (each torch import costs seconds on the test machine)."""
 
@@ -28,24 +28,6 @@ class EngineWorker(EngineEndpoint):
     def reset(self, seed: int, geometry: CollectiveSenderSpec | None = None) -> None:
         self.refit_abort("reset")
         self.__init__(self._config, geometry or self.refit_geometry(), seed)  # type: ignore[misc]
-
-    @property
-    def reference(self) -> ReferenceEngine:
-        engine = self.engine
-        assert isinstance(engine, ReferenceEngine)
-        return engine
-
-    def state_digests(self) -> dict[str, int]:
-        return self.reference.state_digests()
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        return self.reference.generate(prompts, max_new_tokens).tokens
-
-    def weight_version(self) -> int:
-        return self.reference.weight_version
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class TrainerWorker(TrainerEndpoint):

@@ -11,6 +11,7 @@ function, so a test can show that the suite catches a broken backend.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from refit_lab.trainer import SimulatedTrainer
 
 __all__ = [
     "PROMPTS",
+    "EngineWorkerProbes",
     "FleetDeployment",
     "RefitDeployment",
     "SynchronizerConformance",
@@ -74,6 +76,29 @@ class WorkerFleet(Protocol):
     def call(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every worker, their answers in worker order."""
         ...
+
+
+class EngineWorkerProbes:
+    """What a :class:`WorkerFleet`'s workers answer about their reference engine (``engine``):
+    a base for the test workers that run as Ray actors."""
+
+    engine: ReferenceEngine
+
+    def state_digests(self) -> dict[str, int]:
+        """The engine's per-tensor digests."""
+        return self.engine.state_digests()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy tokens of every prompt."""
+        return self.engine.generate(prompts, max_new_tokens).tokens
+
+    def weight_version(self) -> int:
+        """The version the engine serves."""
+        return self.engine.weight_version
+
+    def pid(self) -> int:
+        """The worker's process id (tests kill or freeze it)."""
+        return os.getpid()
 
 
 @dataclass

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import ray
 import torch
 
+from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.faults import fault_self
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_zmq.ipc import IpcReceiver
@@ -34,7 +34,7 @@ class FaultyEngine(ReferenceEngine):
         return super().load_weights(weights)
 
 
-class EngineWorker:
+class EngineWorker(EngineWorkerProbes):
     """One engine worker with its receiver; ``reset`` starts a fresh engine and receiver in
     place (a new process per test would cost seconds of torch imports)."""
 
@@ -57,20 +57,8 @@ class EngineWorker:
     def address(self) -> str:
         return self.receiver.address
 
-    def state_digests(self) -> dict[str, int]:
-        return self.engine.state_digests()
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        return self.engine.generate(prompts, max_new_tokens).tokens
-
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
     def partial(self) -> bool:
         return self.receiver.partial
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 RemoteEngineWorker = ray.remote(EngineWorker)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_zmq.relay import RelayTuning, ShardProducer
@@ -17,7 +17,7 @@ CONFIG = ReferenceModelConfig(vocab_size=256, hidden_size=64, num_layers=2, inte
 TUNING = RelayTuning(chunk_bytes=64 * 1024, max_inflight_bytes=16 << 20, retries=1)
 
 
-class EngineWorker:
+class EngineWorker(EngineWorkerProbes):
     """One engine worker with its relay; ``reset`` starts a fresh engine and relay in place
     (a new process per test would cost seconds of torch imports)."""
 
@@ -43,18 +43,6 @@ class EngineWorker:
 
     def relay_address(self) -> str:
         return self.address
-
-    def state_digests(self) -> dict[str, int]:
-        return self.engine.state_digests()
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        return self.engine.generate(prompts, max_new_tokens).tokens
-
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 RemoteEngineWorker = ray.remote(EngineWorker)
