@@ -86,9 +86,7 @@ class ZmqSparseRefitClient:
         self.retries = retries
         self._tuning = tuning or RelayTuning()
         self._signer = Signer(api_key)
-        self._settings = LinkSettings(
-            self._signer, None if curve is None else curve.public_only(), self._tuning.hwm_messages
-        )
+        self._settings = LinkSettings.of(self._signer, curve, self._tuning)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._local = threading.local()
         self._links: list[Link] = []

@@ -62,9 +62,7 @@ class ControlChannel:
     ) -> None:
         self._signer = signer
         self._tuning = tuning or RelayTuning()
-        self._settings = LinkSettings(
-            signer, None if curve is None else curve.public_only(), self._tuning.hwm_messages
-        )
+        self._settings = LinkSettings.of(signer, curve, self._tuning)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._links: dict[str, Link] = {}
 

@@ -73,7 +73,7 @@ class PayloadIntake:
         self._topology = topology
         self._replies = replies
         self._signer = signer
-        self._settings = LinkSettings(signer, curve, tuning.hwm_messages)
+        self._settings = LinkSettings.of(signer, curve, tuning)
         self._tuning = tuning
         self._timeout_s = timeout_s
         self._progress = progress

@@ -23,6 +23,7 @@ from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode
 from refit_zmq.relay.frames import MAX_HEADER_BYTES, Kind, Message, parse
+from refit_zmq.relay.tuning import RelayTuning
 
 __all__ = ["Link", "LinkSettings", "socket_options"]
 
@@ -48,6 +49,12 @@ class LinkSettings:
     signer: Signer
     curve: CurveConfig | None
     hwm: int
+
+    @classmethod
+    def of(cls, signer: Signer, curve: CurveConfig | None, tuning: RelayTuning) -> LinkSettings:
+        """Settings for links to relays: a link is a CURVE client, so it keeps only the
+        relays' public key, never a secret one."""
+        return cls(signer, None if curve is None else curve.public_only(), tuning.hwm_messages)
 
     def open(self, context: zmq.Context[zmq.Socket[bytes]], address: str) -> Link:
         """A link to ``address`` with these settings."""
