@@ -9,14 +9,34 @@ import pytest
 from relay_helpers import TUNING, Trainer, digests, make_state
 
 from refit_core.types import WeightVersion
+from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     TensorReceiver,
     ZmqSparseRefitClient,
     ZmqSparseRefitServer,
+    deliver_payloads,
     new_transfer_id,
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _deliver(
+    address: str, payloads: list[DeltaPayload], transfer_id: str, *, verification_candidates: int
+) -> None:
+    """Send a version-0 -> 1 refit's payloads to the relay at ``address``, one at a time."""
+    with ZmqSparseRefitClient(address, timeout_s=3.0, producer_id="p", retries=0) as client:
+        deliver_payloads(
+            payloads,
+            client,
+            transfer_id=transfer_id,
+            payload_prefix="0",
+            relay_root=address,
+            base_version=0,
+            target_version=1,
+            verification_candidates=verification_candidates,
+            senders=1,
+        )
 
 
 @pytest.fixture
@@ -42,15 +62,7 @@ def test_flush_reports_what_was_applied_and_what_is_missing(
         payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
         transfer_id = new_transfer_id(1)
         assert server.flush(transfer_id)["complete"] is True, "nothing begun, nothing to wait for"
-        with ZmqSparseRefitClient(address, timeout_s=3.0, producer_id="p", retries=0) as client:
-            for index, payload in enumerate(payloads):
-                client.send_payload(
-                    transfer_id=transfer_id,
-                    payload_id=str(index),
-                    checksum=payload.checksum,
-                    verification_candidates=8,
-                    body=payload,
-                )
+        _deliver(address, payloads, transfer_id, verification_candidates=8)
         report = server.flush(transfer_id, len(payloads))
         assert (report["complete"], report["applied"], report["failures"]) == (
             True,
@@ -88,16 +100,7 @@ def test_subtree_flush_names_a_silent_child_within_the_wait() -> None:
         trainer.step(seed=82)
         payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
         transfer_id = new_transfer_id(1)
-        with ZmqSparseRefitClient(parent, timeout_s=3.0, producer_id="p", retries=0) as client:
-            for index, payload in enumerate(payloads):
-                client.send_payload(
-                    transfer_id=transfer_id,
-                    payload_id=str(index),
-                    checksum=payload.checksum,
-                    verification_candidates=0,
-                    body=payload,
-                    relay_root=parent,
-                )
+        _deliver(parent, payloads, transfer_id, verification_candidates=0)
         healthy = relays[0].flush_subtree(transfer_id, len(payloads))
         assert set(healthy) == {parent, child}
         assert all(r["complete"] and r["applied"] == len(payloads) for r in healthy.values())
