@@ -26,6 +26,7 @@ from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
     CurveConfig,
+    PayloadSink,
     RelayCoordinator,
     RelayTuning,
     ShardProducer,
@@ -122,7 +123,7 @@ class FaultyReceiver(TensorReceiver):
         self._maybe_fail("rollback")
         return super().rollback(transfer_id)
 
-    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    def open_payload(self, metadata: Mapping[str, Any]) -> PayloadSink:
         transfer_id = str(metadata["transfer_id"])
         if transfer_id not in self._transfers:
             self._transfers.append(transfer_id)
@@ -131,7 +132,7 @@ class FaultyReceiver(TensorReceiver):
         if (len(self._transfers), self._applies) == self._die_at:
             fault_self(signal.SIGKILL)
         time.sleep(self._delay_s)
-        return super().apply(body, metadata)
+        return super().open_payload(metadata)
 
 
 def serve_relay(conn: multiprocessing.connection.Connection, spec: RelaySpec) -> None:

@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from relay_helpers import TUNING, Trainer, digests, make_state
+import zmq
+from relay_helpers import TUNING, MiB, Trainer, digests, make_state
 
 from refit_core.types import WeightVersion
 from refit_zmq.codec import DeltaPayload
@@ -17,6 +18,9 @@ from refit_zmq.relay import (
     deliver_payloads,
     new_transfer_id,
 )
+from refit_zmq.relay.auth import Signer
+from refit_zmq.relay.frames import Kind, encode
+from refit_zmq.relay.link import LinkSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,3 +121,47 @@ def test_subtree_flush_names_a_silent_child_within_the_wait() -> None:
         trainer.close()
         for relay in relays:
             relay.close()
+
+
+def test_a_payload_whose_sender_goes_quiet_half_way_is_undone(
+    relay: tuple[ZmqSparseRefitServer, TensorReceiver, str],
+) -> None:
+    """The receiver writes a dense payload's chunks as they arrive; when its sender stops
+    half-way, the relay drops it after ``timeout_s`` and the writes are rolled back."""
+    server, receiver, address = relay
+    server.configure_tree([address], own_address=address)
+    before = digests(make_state(71))
+    trainer = Trainer(make_state(72), version=0, bucket_bytes=4 * MiB)
+    try:
+        (payload,) = trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1), resync=True)
+    finally:
+        trainer.close()
+    transfer_id = new_transfer_id(1)
+    ids = {"transfer_id": transfer_id, "producer_id": "p", "payload_id": "0"}
+    common = {**ids, "checksum": payload.checksum, "total_bytes": payload.nbytes, "hops": 0}
+    unsigned = Signer(None)
+    link = LinkSettings(unsigned, None, TUNING.hwm_messages).open(zmq.Context.instance(), address)
+    try:
+        begin = encode(Kind.BEGIN, {**common, "verification_candidates": 0}, unsigned)
+        link.send(begin, until=time.monotonic() + 3)
+        assert link.receive(lambda m: m.kind is Kind.READY, until=time.monotonic() + 3) is not None
+        data = memoryview(payload.to_bytes())
+        half = len(data) // 2
+        for offset in range(0, half, TUNING.chunk_bytes):
+            chunk = data[offset : min(offset + TUNING.chunk_bytes, half)]
+            message = encode(Kind.DATA, {**common, "offset": offset}, unsigned, chunk)
+            link.send(message, until=time.monotonic() + 3)
+        deadline = time.monotonic() + 3
+        while receiver.status(digests=True)["digests"] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.status(digests=True)["digests"] != before, (
+            "chunks were not applied as they came"
+        )
+        report = server.flush(transfer_id, 1, timeout_s=6.0)
+        assert report["failures"] and report["failures"][0]["code"] == "TIMEOUT"
+        deadline = time.monotonic() + 2  # the undo runs on the receiver thread, after the report
+        while receiver.status(digests=True)["digests"] != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.status(digests=True)["digests"] == before, "half a payload stayed applied"
+    finally:
+        link.close()

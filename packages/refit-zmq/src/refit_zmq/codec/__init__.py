@@ -5,10 +5,11 @@ Producers encode with :class:`refit_zmq.tracker.DeltaCompressionTracker`; receiv
 :func:`unpack_buffer` (a buffer's raw bytes) and :func:`decode_locations` (an item's indices).
 """
 
-from refit_zmq.codec.apply import AppliedPayload, apply_payload
+from refit_zmq.codec.apply import AppliedPayload, apply_payload, check_item
 from refit_zmq.codec.buffers import unpack_buffer
 from refit_zmq.codec.digest import tensor_digest
 from refit_zmq.codec.format import (
+    PRELUDE_BYTES,
     BufferCodec,
     BufferInfo,
     DecodedItem,
@@ -17,14 +18,19 @@ from refit_zmq.codec.format import (
     Encoding,
     ItemHeader,
     PayloadHasher,
+    PayloadLayout,
     PlaneInfo,
     StoredBuffer,
+    carried_checksum,
     decode_payload,
+    head_length,
+    read_layout,
 )
 from refit_zmq.codec.locations import decode_locations
 from refit_zmq.codec.undo import UndoEntry, UndoLog
 
 __all__ = [
+    "PRELUDE_BYTES",
     "AppliedPayload",
     "BufferCodec",
     "BufferInfo",
@@ -34,13 +40,18 @@ __all__ = [
     "Encoding",
     "ItemHeader",
     "PayloadHasher",
+    "PayloadLayout",
     "PlaneInfo",
     "StoredBuffer",
     "UndoEntry",
     "UndoLog",
     "apply_payload",
+    "carried_checksum",
+    "check_item",
     "decode_locations",
     "decode_payload",
+    "head_length",
+    "read_layout",
     "tensor_digest",
     "unpack_buffer",
 ]

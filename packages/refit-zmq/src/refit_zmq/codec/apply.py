@@ -31,7 +31,7 @@ from refit_zmq.codec.locations import decode_locations
 from refit_zmq.codec.scatter import gather, read_range, scatter, write_range
 from refit_zmq.codec.undo import UndoEntry, UndoLog
 
-__all__ = ["AppliedPayload", "apply_payload"]
+__all__ = ["AppliedPayload", "apply_payload", "check_item"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,15 @@ class _Write:
     values: torch.Tensor
 
 
-def _check(
+def check_item(
     item: ItemHeader, tensors: Mapping[str, torch.Tensor], current: WeightVersion | None
 ) -> None:
+    """Refuse an item built against another version or for another tensor geometry.
+
+    Raises:
+        StaleBaseError: the item is a delta against another version than ``current``.
+        GeometryMismatchError: no tensor of that name, or another dtype or shape.
+    """
     if item.base is not None and item.base != current:
         raise StaleBaseError(
             f"payload item {item.name!r} needs base version "
@@ -178,7 +184,7 @@ def apply_payload(
     """
     decoded = payload if isinstance(payload, DecodedPayload) else decode_payload(payload)
     for item in decoded.items:
-        _check(item.header, tensors, current)
+        check_item(item.header, tensors, current)
     writes = [
         (write, tensors[item.header.name])
         for item in decoded.items
@@ -196,6 +202,6 @@ def apply_payload(
             local.restore()
         raise
     if undo is not None and local is not None:
-        undo.extend(local.entries)
+        undo.extend(local)
     touched = {item.header.name: tensors[item.header.name] for item in decoded.items}
     return AppliedPayload(tuple(item.header for item in decoded.items), touched, decoded.nbytes)

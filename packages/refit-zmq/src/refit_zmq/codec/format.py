@@ -37,6 +37,7 @@ from refit_zmq.codec.dtypes import dtype_code, dtype_from_code
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "PRELUDE_BYTES",
     "BufferCodec",
     "BufferInfo",
     "BytesLike",
@@ -46,10 +47,14 @@ __all__ = [
     "Encoding",
     "ItemHeader",
     "PayloadHasher",
+    "PayloadLayout",
     "PlaneInfo",
     "StoredBuffer",
     "build_payload",
+    "carried_checksum",
     "decode_payload",
+    "head_length",
+    "read_layout",
 ]
 
 BytesLike = bytes | bytearray | memoryview
@@ -61,6 +66,8 @@ _NO_BASE = (1 << 64) - 1
 _MAX_NDIM = 64
 
 _PRELUDE = struct.Struct("<4sHHI16s")
+PRELUDE_BYTES = _PRELUDE.size
+"""Size of frame 0's fixed prelude (magic, format, header length, checksum)."""
 _CHECKSUM_AT = 12
 _COUNTS = struct.Struct("<II")
 _BUFFER = struct.Struct("<QB")
@@ -401,36 +408,78 @@ def _read_buffer_info(reader: _Reader) -> BufferInfo:
     return info
 
 
-def _split(data: BytesLike, header_len: int) -> list[memoryview]:
-    """Cut one contiguous payload into frames using the buffer table (already checksummed)."""
-    view = memoryview(data).cast("B")
-    head_end = _PRELUDE.size + header_len
-    reader = _Reader(view[_PRELUDE.size : head_end])
-    _, n_buffers = reader.take(_COUNTS)
-    frames = [view[:head_end]]
-    at = head_end
-    for _ in range(n_buffers):
-        stored = _read_buffer_info(reader).stored_bytes
-        frames.append(view[at : at + stored])
-        at += stored
-    if at != len(view):
-        raise ProtocolError(f"payload length {len(view)} does not match its header ({at})")
-    return frames
+def head_length(prefix: BytesLike) -> int:
+    """Bytes of frame 0 (prelude and header), from at least the prelude's bytes.
 
-
-def _verify(frames: Sequence[BytesLike], digest: bytes | None) -> int:
-    """Check magic and checksum of frame 0 and the rest; return the header length."""
-    head = memoryview(frames[0]).cast("B")
+    Raises:
+        ProtocolError: not a refit delta payload (its format version is checked by
+            :func:`read_layout`, after the checksum).
+    """
+    head = memoryview(prefix).cast("B")
     if len(head) < _PRELUDE.size:
         raise ProtocolError("payload shorter than its prelude")
-    magic, version, _reserved, header_len, checksum = _PRELUDE.unpack_from(head)
+    magic, _version, _reserved, header_len, _checksum = _PRELUDE.unpack_from(head)
     if magic != MAGIC:
         raise ProtocolError("not a refit delta payload (bad magic)")
-    if (_checksum(frames) if digest is None else digest) != checksum:
-        raise ChecksumMismatchError("delta payload checksum mismatch; nothing was applied")
+    return _PRELUDE.size + int(header_len)
+
+
+def carried_checksum(head: BytesLike) -> bytes:
+    """The xxh3-128 digest frame 0's prelude carries."""
+    return bytes(memoryview(head).cast("B")[_CHECKSUM_AT : _PRELUDE.size])
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """What frame 0 says about the rest: every buffer, and every item with its buffers.
+
+    Attributes:
+        head_bytes: size of frame 0.
+        buffers: every buffer's info, in wire order (frames 1..).
+        items: every item header with the indices of its buffers (locations first).
+    """
+
+    head_bytes: int
+    buffers: tuple[BufferInfo, ...]
+    items: tuple[tuple[ItemHeader, tuple[int, ...]], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole payload's size."""
+        return self.head_bytes + sum(info.stored_bytes for info in self.buffers)
+
+
+def read_layout(head: BytesLike) -> PayloadLayout:
+    """Parse frame 0 (exactly its bytes). Only integers and UTF-8 are read, every count and
+    size is checked against the others; the checksum is not (the caller verifies it).
+
+    Raises:
+        ProtocolError: not a payload head, or a header that contradicts itself.
+    """
+    view = memoryview(head).cast("B")
+    if head_length(view) != len(view):
+        raise ProtocolError("header length does not match frame 0")
+    (version,) = struct.unpack_from("<H", view, len(MAGIC))
     if version != FORMAT_VERSION:
         raise ProtocolError(f"unsupported delta payload format {version}")
-    return int(header_len)
+    reader = _Reader(view[_PRELUDE.size :])
+    n_items, n_buffers = reader.take(_COUNTS)
+    buffers = tuple(_read_buffer_info(reader) for _ in range(n_buffers))
+    items = []
+    cursor = 0
+    for _ in range(n_items):
+        header = _read_item(reader)
+        sizes = header.buffer_sizes()
+        own = tuple(range(cursor, cursor + len(sizes)))
+        cursor += len(sizes)
+        if cursor > n_buffers or any(
+            buffers[index].raw_bytes != size for index, size in zip(own, sizes, strict=True)
+        ):
+            raise ProtocolError(f"item {header.name!r}: buffers do not match its header")
+        items.append((header, own))
+    if cursor != n_buffers or not reader.done():
+        raise ProtocolError("payload header has trailing or unclaimed data")
+    return PayloadLayout(len(view), buffers, tuple(items))
 
 
 def decode_payload(
@@ -455,37 +504,35 @@ def decode_payload(
         frames = payload
     if not frames:
         raise ProtocolError("empty payload")
-    header_len = _verify(frames, digest)
+    first = memoryview(frames[0]).cast("B")
+    head_bytes = head_length(first)
+    if (_checksum(frames) if digest is None else digest) != carried_checksum(first):
+        raise ChecksumMismatchError("delta payload checksum mismatch; nothing was applied")
+    layout = read_layout(first[:head_bytes])
+    views = [first[:head_bytes]]
     if len(frames) == 1:
-        views = _split(frames[0], header_len)
+        at = head_bytes
+        for info in layout.buffers:
+            views.append(first[at : at + info.stored_bytes])
+            at += info.stored_bytes
+        if at != len(first):
+            raise ProtocolError(f"payload length {len(first)} does not match its header ({at})")
     else:
-        views = [memoryview(f).cast("B") for f in frames]
-    if len(views[0]) != _PRELUDE.size + header_len:
-        raise ProtocolError("header length does not match frame 0")
-    reader = _Reader(views[0][_PRELUDE.size :])
-    n_items, n_buffers = reader.take(_COUNTS)
-    if n_buffers != len(views) - 1:
-        raise ProtocolError(f"header names {n_buffers} buffers, got {len(views) - 1} frames")
-    infos = []
-    for view in views[1:]:
-        info = _read_buffer_info(reader)
+        if len(first) != head_bytes:
+            raise ProtocolError("header length does not match frame 0")
+        views.extend(memoryview(f).cast("B") for f in frames[1:])
+    if len(layout.buffers) != len(views) - 1:
+        raise ProtocolError(
+            f"header names {len(layout.buffers)} buffers, got {len(views) - 1} frames"
+        )
+    stored = []
+    for info, view in zip(layout.buffers, views[1:], strict=True):
         if info.stored_bytes != len(view):
             raise ProtocolError(f"buffer of {len(view)} bytes, header says {info.stored_bytes}")
-        infos.append(StoredBuffer(info, view))
+        stored.append(StoredBuffer(info, view))
     items = []
-    cursor = 0
-    for _ in range(n_items):
-        header = _read_item(reader)
-        sizes = header.buffer_sizes()
-        own = infos[cursor : cursor + len(sizes)]
-        cursor += len(sizes)
-        if len(own) != len(sizes) or any(
-            b.info.raw_bytes != size for b, size in zip(own, sizes, strict=True)
-        ):
-            raise ProtocolError(f"item {header.name!r}: buffers do not match its header")
-        locations = own[0] if len(own) == 2 else None
-        values = own[-1] if own else None
+    for header, own in layout.items:
+        locations = stored[own[0]] if len(own) == 2 else None
+        values = stored[own[-1]] if own else None
         items.append(DecodedItem(header, locations, values))
-    if cursor != n_buffers or not reader.done():
-        raise ProtocolError("payload header has trailing or unclaimed data")
     return DecodedPayload(tuple(items), sum(len(v) for v in views))

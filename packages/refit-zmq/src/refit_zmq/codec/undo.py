@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,29 +48,32 @@ class UndoLog:
     """
 
     entries: list[UndoEntry] = field(default_factory=list)
+    nbytes: int = field(init=False, default=0)
+    """Memory the log holds."""
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(entry.nbytes for entry in self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    @property
-    def nbytes(self) -> int:
-        """Memory the log holds."""
-        return sum(entry.nbytes for entry in self.entries)
-
     def add(self, entry: UndoEntry) -> None:
         """Record one write (before making it)."""
         self.entries.append(entry)
+        self.nbytes += entry.nbytes
 
-    def extend(self, entries: Iterable[UndoEntry]) -> None:
-        """Record several writes, oldest first (for example another log's ``entries``)."""
-        self.entries.extend(entries)
+    def extend(self, other: UndoLog) -> None:
+        """Record another log's writes after this one's (they were made later)."""
+        self.entries.extend(other.entries)
+        self.nbytes += other.nbytes
 
     def restore(self) -> None:
         """Roll every recorded write back, newest first, then forget them."""
         for entry in reversed(self.entries):
             entry.restore()
-        self.entries.clear()
+        self.discard()
 
     def discard(self) -> None:
         """Forget the recorded writes (on commit)."""
         self.entries.clear()
+        self.nbytes = 0

@@ -17,7 +17,7 @@ from refit_zmq.relay.errors import (
 )
 from refit_zmq.relay.frames import PROTOCOL
 from refit_zmq.relay.producer import ShardProducer, StreamOrder, TransferOptions
-from refit_zmq.relay.receiver import Receiver, TensorReceiver
+from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
 from refit_zmq.relay.server import ZmqSparseRefitServer
 from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
 from refit_zmq.relay.transfer import TransferResult, run_transfer
@@ -28,6 +28,7 @@ __all__ = [
     "PROTOCOL",
     "CurveConfig",
     "NackCode",
+    "PayloadSink",
     "Receiver",
     "RelayCoordinator",
     "RelayTree",
@@ -35,6 +36,7 @@ __all__ = [
     "ShardProducer",
     "StaleTransferError",
     "StreamOrder",
+    "StreamingReceiver",
     "TensorReceiver",
     "TransferConflictError",
     "TransferOptions",

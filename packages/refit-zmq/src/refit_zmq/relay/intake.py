@@ -1,9 +1,9 @@
 """A relay's payload path: admit (BEGIN), stage chunks (DATA), forward, apply, acknowledge.
 
 Runs on the relay's event loop. A payload is admitted when it fits the staging budget,
-forwarded to the children of its tree chunk by chunk as the chunks arrive, applied by the
-receiver once complete, acknowledged only after that apply, and released once it is applied
-and streamed to every child.
+forwarded to the children of its tree chunk by chunk as the chunks arrive, handed to the
+receiver as they arrive too (:mod:`~refit_zmq.relay.local_apply`), acknowledged only after the
+receiver finished it, and released once it is applied and streamed to every child.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from refit_zmq.relay.frames import Kind, Message
 from refit_zmq.relay.jobs import ReceiverJobs
 from refit_zmq.relay.ledger import Ledger
 from refit_zmq.relay.link import LinkSettings
+from refit_zmq.relay.local_apply import LocalApply
 from refit_zmq.relay.receiver import Receiver
 from refit_zmq.relay.replies import Replies, payload_ids
 from refit_zmq.relay.staging import PayloadKey, Pending, StagedPayload, Staging
@@ -34,12 +35,6 @@ from refit_zmq.relay.tuning import RelayTuning
 __all__ = ["PayloadIntake"]
 
 logger = logging.getLogger(__name__)
-
-
-def _timed(fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
-    started = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - started
 
 
 class PayloadIntake:
@@ -66,8 +61,7 @@ class PayloadIntake:
         progress: Callable[[], None],
     ) -> None:
         self._context = context
-        self._receiver = receiver
-        self._jobs = jobs
+        self._local = LocalApply(receiver, jobs, self._applied)
         self._ledger = ledger
         self._staging = staging
         self._topology = topology
@@ -149,8 +143,7 @@ class PayloadIntake:
             record.bytes_received += len(body)
         for address in self._topology.children(staged.root):
             self.child(address).pump()
-        if staged.complete:
-            self._apply(staged)
+        self._local.pump()
 
     # -- staging -------------------------------------------------------------------------
 
@@ -172,8 +165,7 @@ class PayloadIntake:
                 if record is not None:
                     record.child(address).forwarded += 1
                 self.child(address).add(staged)
-            if staged.complete:
-                self._apply(staged)
+            self._local.add(staged)
 
     def _ready(self, identity: bytes, key: PayloadKey) -> None:
         """READY, with the largest chunk this relay accepts."""
@@ -192,18 +184,6 @@ class PayloadIntake:
             )
             self.children[address] = child
         return child
-
-    def _apply(self, staged: StagedPayload) -> None:
-        if staged.submitted:
-            return
-        staged.submitted = True
-        metadata = {**staged.begin, **payload_ids(staged.key), "body_digest": staged.digest()}
-        body = staged.buffer.data
-        receiver = self._receiver
-        self._jobs.submit(
-            lambda: _timed(lambda: receiver.apply(body, metadata)),
-            lambda future: self._applied(staged, future),
-        )
 
     def _applied(self, staged: StagedPayload, future: Future[tuple[dict[str, Any], float]]) -> None:
         staged.applied = True
@@ -245,6 +225,7 @@ class PayloadIntake:
         for staged in self._staging.of_transfer(transfer_id):
             staged.applied = True
             self._staging.release(staged)
+            self._local.drop(staged)
         for pending in self._staging.drop_pending(transfer_id):
             text = f"transfer {transfer_id} was aborted"
             self._replies.nack(
@@ -270,6 +251,7 @@ class PayloadIntake:
                 child.drop(key.__eq__)
             staged.applied = True
             self._staging.release(staged)
+            self._local.drop(staged)
         if expired:
             logger.info("relay %s: %d queued BEGINs expired", self._topology.own, len(expired))
         if stalled or expired:

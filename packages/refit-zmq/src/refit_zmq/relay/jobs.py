@@ -1,18 +1,26 @@
 """The relay's receiver thread: receiver calls run one at a time, off the event loop.
 
 Each job's continuation runs on the event loop (``finish`` is called there after a wake-up),
-so everything that touches sockets or relay state stays on one thread.
+so everything that touches sockets or relay state stays on one thread. Jobs that only feed
+bytes (``run``) have no continuation and cost one queue put: a payload's chunks are handed
+over this way, several hundred per GiB.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 __all__ = ["ReceiverJobs"]
 
+logger = logging.getLogger(__name__)
+
 Then = Callable[[Future[Any]], None]
+_Job = tuple[Callable[[], Any], Future[Any] | None]
 
 
 class ReceiverJobs:
@@ -25,14 +33,22 @@ class ReceiverJobs:
 
     def __init__(self, wake: Callable[[], None], *, name: str = "receiver") -> None:
         self._wake = wake
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"refit-relay-{name}")
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._pending: list[tuple[Future[Any], Then]] = []
+        self._closing = False
+        self._worker = threading.Thread(target=self._work, name=f"refit-relay-{name}", daemon=True)
+        self._worker.start()
 
     def submit(self, fn: Callable[[], Any], then: Then) -> None:
         """Run ``fn`` after every job submitted before it; ``then(future)`` on the loop after."""
-        future = self._worker.submit(fn)
-        future.add_done_callback(lambda _: self._wake())
+        future: Future[Any] = Future()
         self._pending.append((future, then))
+        self._queue.put((fn, future))
+
+    def run(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` after every job submitted before it, without waking the loop after it
+        (a failure is logged: ``fn`` must keep its own errors for a later job to report)."""
+        self._queue.put((fn, None))
 
     def finish(self) -> None:
         """Run the continuations of the jobs that are done (on the event loop)."""
@@ -44,4 +60,26 @@ class ReceiverJobs:
 
     def close(self) -> None:
         """Wait for the running job; drop the queued ones."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._closing = True
+        self._queue.put(None)
+        self._worker.join()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            fn, future = job
+            if self._closing:
+                if future is not None:
+                    future.cancel()
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                if future is None:
+                    logger.error("receiver job failed", exc_info=exc)
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+            if future is not None:
+                self._wake()

@@ -1,8 +1,9 @@
 """What a relay applies payloads to: apply, then commit or roll back one transfer at a time.
 
-:class:`TensorReceiver` applies delta payloads in place to a receiver's tensors with the
-codec's undo log kept per transfer, so a transfer that fails anywhere in the tree is rolled
-back bit for bit, and only a committed transfer moves the receiver's version.
+:class:`TensorReceiver` applies delta payloads in place to a receiver's tensors as their bytes
+arrive (:class:`~refit_zmq.relay.payload_stream.PayloadStream`), with the codec's undo log kept
+per transfer, so a transfer that fails anywhere in the tree is rolled back bit for bit, and
+only a committed transfer moves the receiver's version.
 """
 
 from __future__ import annotations
@@ -15,19 +16,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError
+from refit_core.errors import ProtocolError
 from refit_core.types import WeightVersion
-from refit_zmq.codec import (
-    PayloadHasher,
-    UndoLog,
-    apply_payload,
-    decode_payload,
-    tensor_digest,
-)
+from refit_zmq.codec import PayloadLayout, UndoLog, tensor_digest
+from refit_zmq.codec.undo_arena import UndoArena
 from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
-from refit_zmq.relay.verify import verify_sample
+from refit_zmq.relay.payload_stream import ByteViews, PayloadStream, StreamResult
 
-__all__ = ["Receiver", "TensorReceiver", "as_receiver"]
+__all__ = ["PayloadSink", "Receiver", "StreamingReceiver", "TensorReceiver", "as_receiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +34,6 @@ class Receiver(Protocol):
 
     ``apply`` raises a refit error to refuse a payload (nothing of it may stay applied);
     ``commit`` and ``rollback`` end the open transfer and are idempotent per transfer id.
-    The relay's ``metadata`` carries ``body_digest``: the codec's
-    :class:`~refit_zmq.codec.PayloadHasher` digest of ``body``, hashed as it arrived.
     """
 
     def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -56,6 +50,33 @@ class Receiver(Protocol):
 
     def status(self, *, digests: bool = False) -> dict[str, Any]:
         """``{"version", "open", ["digests"]}``: the version held and any open transfer."""
+        ...
+
+
+class PayloadSink(Protocol):
+    """One payload handed to a receiver while it arrives: its bytes in order, then the end."""
+
+    def feed(self, chunk: memoryview) -> None:
+        """Take the payload's next bytes; never raises (a failure surfaces in ``finish``)."""
+        ...
+
+    def finish(self) -> dict[str, Any]:
+        """Verify and keep the payload: ``apply``'s result and errors; after an error nothing
+        of the payload stays applied."""
+        ...
+
+    def abandon(self) -> None:
+        """Undo whatever the payload wrote; it will not be finished."""
+        ...
+
+
+@runtime_checkable
+class StreamingReceiver(Receiver, Protocol):
+    """A receiver that applies payloads as they arrive (the relay then never stages a payload
+    whole for it)."""
+
+    def open_payload(self, metadata: Mapping[str, Any]) -> PayloadSink:
+        """A sink for one payload (``apply``'s metadata); must not raise."""
         ...
 
 
@@ -95,6 +116,9 @@ class TensorReceiver:
         on_rollback: called after a rollback restored the old bits.
         max_undo_bytes: refuse a payload whose undo data would pass this (default: four
             times the tensors' bytes, enough for any legitimate transfer).
+        undo_pool_bytes: host memory kept from one transfer's undo copies for the next
+            (default: the host tensors' bytes, what a dense resync needs; 0: none). Fresh
+            memory costs page faults on first touch, more than the copy itself.
         seed: seed of the sampled read-back.
     """
 
@@ -106,6 +130,7 @@ class TensorReceiver:
         on_commit: Callable[[int], None] | None = None,
         on_rollback: Callable[[], None] | None = None,
         max_undo_bytes: int | None = None,
+        undo_pool_bytes: int | None = None,
         seed: int = 0,
     ) -> None:
         self._tensors = dict(tensors)
@@ -115,6 +140,14 @@ class TensorReceiver:
         state_bytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
         self._max_undo_bytes = 4 * state_bytes if max_undo_bytes is None else max_undo_bytes
         self._rng = np.random.default_rng(seed)
+        host_bytes = sum(
+            t.numel() * t.element_size() for t in self._tensors.values() if t.device.type == "cpu"
+        )
+        self._arena = UndoArena(
+            max_pooled_bytes=host_bytes if undo_pool_bytes is None else undo_pool_bytes
+        )
+        self._open_sinks = 0
+        self._views = ByteViews(self._tensors)
         self._open: _Open | None = None
         self._committed: str | None = None
 
@@ -124,54 +157,69 @@ class TensorReceiver:
         return None if self._version is None else self._version.value
 
     def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
-        """Verify and apply one payload (see :class:`Receiver`).
+        """Verify and apply one payload whole (see :class:`Receiver` and :meth:`open_payload`)."""
+        sink = self.open_payload(metadata)
+        sink.feed(body)
+        return sink.finish()
 
-        Raises:
-            ChecksumMismatchError: the body is not what ``metadata["checksum"]`` names.
-            StaleBaseError: the payload is a delta against another version.
-            StaleTransferError: its target does not follow the committed version.
-            TransferConflictError: another transfer is open, or another target.
-            VerificationError: the read-back found other bits than the payload carries.
-            ProtocolError, GeometryMismatchError: malformed or not for these tensors.
+    def open_payload(self, metadata: Mapping[str, Any]) -> PayloadSink:
+        """A sink that applies one payload as its bytes arrive.
+
+        Its ``finish`` raises ChecksumMismatchError (the bytes are not what
+        ``metadata["checksum"]`` names), StaleBaseError (a delta against another version),
+        StaleTransferError (the target does not follow the committed version),
+        TransferConflictError (another transfer is open, or another target),
+        VerificationError (the read-back found other bits than the payload carries), or
+        ProtocolError and GeometryMismatchError (malformed, or not for these tensors); the
+        payload's writes are undone first.
         """
         transfer_id = str(metadata["transfer_id"])
+        stream = PayloadStream(
+            self._tensors,
+            self._version,
+            admit=lambda layout: self._target(_targets(layout), transfer_id),
+            candidates=int(metadata.get("verification_candidates", 0)),
+            rng=self._rng,
+            views=self._views,
+            undo_memory=self._arena.take,
+        )
+        self._open_sinks += 1
+        return _IncomingPayload(
+            stream,
+            self._sink_closed,
+            str(metadata["checksum"]),
+            lambda result: self._keep(result, stream.undo, transfer_id),
+        )
+
+    def _sink_closed(self) -> None:
+        self._open_sinks -= 1
+
+    def _recycle_undo(self) -> None:
+        """The transfer ended: its undo memory serves the next one (unless a payload of
+        another is still streaming into the arena)."""
+        if self._open_sinks == 0:
+            self._arena.recycle()
+
+    def _keep(self, result: StreamResult, undo: UndoLog, transfer_id: str) -> dict[str, Any]:
+        """Adopt a finished payload's undo data into the open transfer."""
+        target = self._target(frozenset(item.target for item in result.items), transfer_id)
+        held = undo.nbytes + (0 if self._open is None else self._open.undo.nbytes)
+        if held > self._max_undo_bytes:
+            raise ProtocolError(
+                f"undo data would reach {held} bytes (limit {self._max_undo_bytes})"
+            )
+        if self._open is None:
+            self._open = _Open(transfer_id, target)
+        self._open.undo.extend(undo)
+        self._open.payloads += 1
+        return {"items": len(result.items), "nbytes": result.nbytes, "verified": result.verified}
+
+    def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
+        """The one target of a payload, if this receiver may apply it in ``transfer_id``."""
         if self._open is not None and self._open.transfer_id != transfer_id:
             raise TransferConflictError(
                 f"transfer {self._open.transfer_id} is open; {transfer_id} must wait"
             )
-        digest = metadata.get("body_digest")
-        if digest is None:
-            hasher = PayloadHasher()
-            hasher.update(body)
-            digest = hasher.digest()
-        if digest.hex() != metadata["checksum"]:
-            raise ChecksumMismatchError("payload checksum differs from the declared one")
-        decoded = decode_payload(body, digest=digest)
-        undo = UndoLog()
-        applied = apply_payload(decoded, self._tensors, self._version, undo=undo)
-        try:
-            target = self._target(applied.targets, transfer_id)
-            candidates = int(metadata.get("verification_candidates", 0))
-            verified = (
-                verify_sample(decoded, self._tensors, candidates, self._rng)
-                if candidates > 0
-                else 0
-            )
-            held = undo.nbytes + (0 if self._open is None else self._open.undo.nbytes)
-            if held > self._max_undo_bytes:
-                raise ProtocolError(
-                    f"undo data would reach {held} bytes (limit {self._max_undo_bytes})"
-                )
-        except BaseException:
-            undo.restore()
-            raise
-        if self._open is None:
-            self._open = _Open(transfer_id, target)
-        self._open.undo.extend(undo.entries)
-        self._open.payloads += 1
-        return {"items": len(applied.items), "nbytes": applied.nbytes, "verified": verified}
-
-    def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
         if len(targets) != 1:
             raise ProtocolError(f"payload names {len(targets)} target versions")
         (target,) = targets
@@ -194,6 +242,7 @@ class TensorReceiver:
             raise StaleTransferError(f"transfer {transfer_id} is not open here; cannot commit")
         opened, self._open = self._open, None
         opened.undo.discard()
+        self._recycle_undo()
         self._version = opened.target
         self._committed = transfer_id
         logger.info("transfer %s committed: version %d", transfer_id, opened.target.value)
@@ -209,6 +258,7 @@ class TensorReceiver:
             return {"version": self.version, "restored": False}
         opened, self._open = self._open, None
         opened.undo.restore()
+        self._recycle_undo()
         logger.info(
             "transfer %s rolled back (%d payloads); version stays %s",
             transfer_id,
@@ -236,3 +286,41 @@ class TensorReceiver:
         if digests:
             report["digests"] = {name: tensor_digest(t) for name, t in self._tensors.items()}
         return report
+
+
+def _targets(layout: PayloadLayout) -> frozenset[WeightVersion]:
+    return frozenset(item.target for item, _ in layout.items)
+
+
+class _IncomingPayload:
+    """A :class:`TensorReceiver`'s sink: the stream, then ``keep`` once it verified."""
+
+    def __init__(
+        self,
+        stream: PayloadStream,
+        closed: Callable[[], None],
+        checksum: str,
+        keep: Callable[[StreamResult], dict[str, Any]],
+    ) -> None:
+        self._stream = stream
+        self._closed = closed
+        self._checksum = checksum
+        self._keep = keep
+
+    def feed(self, chunk: memoryview) -> None:
+        self._stream.feed(chunk)
+
+    def finish(self) -> dict[str, Any]:
+        try:
+            result = self._stream.finish(self._checksum)
+            try:
+                return self._keep(result)
+            except BaseException:
+                self._stream.undo.restore()
+                raise
+        finally:
+            self._closed()
+
+    def abandon(self) -> None:
+        self._stream.abandon()
+        self._closed()

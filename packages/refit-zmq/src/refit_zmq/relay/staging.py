@@ -1,8 +1,7 @@
-"""Bounded staging of payloads on a relay: admission by byte budget, chunks written in place.
+"""Bounded staging of payloads on a relay: admission by byte budget, chunks kept as received.
 
-Each chunk is copied once, from the received frame into the payload's buffer, and hashed right
-after (while in cache) as soon as every byte before it has arrived, so the apply gets the
-payload checksum's digest without another pass over the bytes.
+A chunk is never copied here: the payload keeps the received frame's memory until it is
+applied locally and streamed to every child, and those read the same memory.
 
 A payload is admitted (its BEGIN answered READY) only when its whole size fits the budget
 and its tree has a free slot in the window, so every chunk of an admitted payload always has
@@ -18,12 +17,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from refit_core.errors import ProtocolError
-from refit_zmq.codec import PayloadHasher
 
 __all__ = ["PayloadKey", "Pending", "StagedPayload", "Staging"]
+
+_RELEASED = memoryview(b"")
 
 PayloadKey = tuple[str, str, str]
 """``(transfer_id, producer_id, payload_id)``."""
@@ -31,7 +29,7 @@ PayloadKey = tuple[str, str, str]
 
 @dataclass(eq=False)
 class StagedPayload:
-    """One admitted payload: its buffer, the chunks received (in arrival order), its fate.
+    """One admitted payload: the chunks received (in arrival order), its fate.
 
     Attributes:
         key: transfer, producer and payload id.
@@ -42,7 +40,6 @@ class StagedPayload:
         chunks: ``(offset, length)`` of every chunk, in arrival order (what forwards stream).
         applied: whether the local apply has finished (either way).
         forwards: children still being streamed to.
-        hasher: the payload checksum over the chunks received without a gap from offset 0.
     """
 
     key: PayloadKey
@@ -51,19 +48,15 @@ class StagedPayload:
     root: str
     begin: dict[str, Any]
     route: bytes
-    buffer: np.ndarray = field(init=False)
     chunks: list[tuple[int, int]] = field(default_factory=list)
     received: int = 0
     applied: bool = False
-    submitted: bool = False
     forwards: int = 0
     last_seen: float = field(default_factory=time.monotonic)
-    hasher: PayloadHasher = field(default_factory=PayloadHasher)
+    _views: list[memoryview] = field(default_factory=list)
+    _by_offset: dict[int, tuple[int, memoryview]] = field(default_factory=dict)
     _starts: list[int] = field(default_factory=list)
     _ends: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.buffer = np.empty(self.total_bytes, dtype=np.uint8)
 
     @property
     def complete(self) -> bool:
@@ -91,32 +84,34 @@ class StagedPayload:
             at < len(self._starts) and self._starts[at] < end
         ):
             raise ProtocolError(f"chunk [{offset}, {end}) overlaps another chunk")
-        self.buffer[offset:end] = np.frombuffer(data, dtype=np.uint8)
         self._starts.insert(at, offset)
         self._ends.insert(at, end)
         self.chunks.append((offset, len(data)))
+        self._by_offset[offset] = (len(self._views), data)
+        self._views.append(data)
         self.received += len(data)
         self.last_seen = time.monotonic()
-        self._hash_from(at)
         return True
 
-    def _hash_from(self, at: int) -> None:
-        """Hash the held chunks from index ``at`` on that continue the hashed prefix."""
-        starts = self._starts
-        while at < len(starts) and starts[at] == self.hasher.offset:
-            self.hasher.update(self.buffer.data[starts[at] : self._ends[at]])
-            at += 1
-
-    def digest(self) -> bytes:
-        """The payload checksum's digest of the whole payload (call once it is complete)."""
-        if self.hasher.offset != self.total_bytes:
-            raise ProtocolError("payload digest asked for before every byte was hashed")
-        return self.hasher.digest()
-
     def chunk(self, index: int) -> memoryview:
-        """The bytes of chunk number ``index`` (arrival order), sharing the buffer."""
-        offset, length = self.chunks[index]
-        return self.buffer.data[offset : offset + length]
+        """The bytes of chunk number ``index`` (arrival order)."""
+        return self._views[index]
+
+    def at(self, offset: int) -> memoryview | None:
+        """The chunk starting at ``offset``, if it has arrived (and is still held)."""
+        held = self._by_offset.get(offset)
+        return None if held is None else held[1]
+
+    def handed_over(self, offset: int) -> None:
+        """The receiver took the chunk at ``offset``: let its memory go unless a child still
+        has to be sent it (received memory reused soon is warm; held long, it is not)."""
+        if self.forwards == 0:
+            index, _ = self._by_offset.pop(offset)
+            self._views[index] = _RELEASED
+
+    def joined(self) -> bytes:
+        """The whole payload as one buffer (copies; call once it is complete)."""
+        return b"".join(self._by_offset[start][1] for start in self._starts)
 
 
 @dataclass(eq=False)

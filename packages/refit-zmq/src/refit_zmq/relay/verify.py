@@ -8,27 +8,43 @@ payload carries, in proportion to each item's count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from refit_core.errors import VerificationError
-from refit_zmq.codec.buffers import unpack_buffer
+from refit_zmq.codec import ItemHeader, decode_locations
 from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
-from refit_zmq.codec.format import DecodedItem, DecodedPayload
-from refit_zmq.codec.locations import decode_locations
 
-__all__ = ["verify_sample"]
+__all__ = ["check_held", "draw_picks", "entry_positions"]
 
 
-def _positions(item: DecodedItem, picks: np.ndarray) -> np.ndarray:
-    """Row-major element indices in the tensor of the item's entries ``picks``."""
-    header = item.header
-    raw = None if item.locations is None else unpack_buffer(item.locations)
-    span_indices = decode_locations(header, raw)
-    relative = header.first + picks if span_indices is None else span_indices[picks]
-    return np.asarray(relative, dtype=np.int64) + header.span_start
+def draw_picks(
+    counts: Sequence[int], candidates: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Per item, the sorted entries (indices into its values) to re-read: up to ``candidates``
+    drawn without replacement among all ``sum(counts)`` entries."""
+    total = sum(counts)
+    if candidates <= 0 or total == 0:
+        return [np.empty(0, dtype=np.int64) for _ in counts]
+    draws = rng.choice(total, size=min(candidates, total), replace=False)
+    ends = np.cumsum(counts)
+    owners = np.searchsorted(ends, draws, side="right")
+    return [
+        np.sort(draws[owners == index] - (int(ends[index]) - count)).astype(np.int64)
+        for index, count in enumerate(counts)
+    ]
+
+
+def entry_positions(
+    item: ItemHeader, locations: np.ndarray | None, picks: np.ndarray
+) -> np.ndarray:
+    """Row-major element indices in the tensor of the item's entries ``picks`` (``locations``:
+    the raw locations buffer of a GAPS or BITMAP item)."""
+    span_indices = decode_locations(item, locations)
+    relative = item.first + picks if span_indices is None else span_indices[picks]
+    return np.asarray(relative, dtype=np.int64) + item.span_start
 
 
 def _held(tensor: torch.Tensor, flat: np.ndarray) -> np.ndarray:
@@ -43,38 +59,19 @@ def _held(tensor: torch.Tensor, flat: np.ndarray) -> np.ndarray:
     return held
 
 
-def verify_sample(
-    decoded: DecodedPayload,
-    tensors: Mapping[str, torch.Tensor],
-    candidates: int,
-    rng: np.random.Generator,
-) -> int:
-    """Compare up to ``candidates`` carried entries with what ``tensors`` hold; return how many.
+def check_held(name: str, tensor: torch.Tensor, positions: np.ndarray, sent: np.ndarray) -> int:
+    """Compare the bits ``tensor`` holds at ``positions`` with ``sent``; return how many.
 
     Raises:
         VerificationError: an entry differs from the value the payload carries.
     """
-    items = [item for item in decoded.items if item.values is not None and item.header.count]
-    total = sum(item.header.count for item in items)
-    if candidates <= 0 or total == 0:
+    if positions.size == 0:
         return 0
-    draws = rng.choice(total, size=min(candidates, total), replace=False)
-    bounds = np.cumsum([item.header.count for item in items])
-    owners = np.searchsorted(bounds, draws, side="right")
-    checked = 0
-    for owner in np.unique(owners):
-        item = items[int(owner)]
-        assert item.values is not None
-        start = int(bounds[owner]) - item.header.count
-        picks = np.sort(draws[owners == owner] - start)
-        width = unsigned_numpy_dtype(item.header.itemsize)
-        sent = unpack_buffer(item.values).view(width)[picks]
-        held = _held(tensors[item.header.name], _positions(item, picks))
-        wrong = np.flatnonzero(sent != held)
-        if wrong.size:
-            raise VerificationError(
-                f"tensor {item.header.name!r}: {wrong.size} of {picks.size} sampled entries "
-                "differ from the payload after apply"
-            )
-        checked += int(picks.size)
-    return checked
+    held = _held(tensor, positions)
+    wrong = np.flatnonzero(sent.view(held.dtype) != held)
+    if wrong.size:
+        raise VerificationError(
+            f"tensor {name!r}: {wrong.size} of {positions.size} sampled entries "
+            "differ from the payload after apply"
+        )
+    return int(positions.size)

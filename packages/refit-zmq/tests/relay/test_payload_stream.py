@@ -1,0 +1,174 @@
+"""PayloadStream: a payload applied as its bytes arrive, in chunks of any size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from relay_helpers import KiB, MiB, Trainer, digests, make_state
+
+from refit_core.errors import ChecksumMismatchError, GeometryMismatchError, ProtocolError
+from refit_core.types import WeightVersion
+from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload
+from refit_zmq.relay.payload_stream import PayloadStream
+
+
+@pytest.fixture(params=["resync", "delta"])
+def payloads(request: pytest.FixtureRequest) -> Iterator[tuple[list[DeltaPayload], int | None]]:
+    """A dense resync (raw items written straight from the chunks) or a 5% delta (sparse and
+    compressed items, gathered whole), with the version the receiver must hold."""
+    trainer = Trainer(make_state(1), version=3, bucket_bytes=512 * KiB)
+    try:
+        resync = request.param == "resync"
+        trainer.step(5, density=0.05)
+        encoded = trainer.shards[0].tracker.encode(trainer.state, WeightVersion(4), resync=resync)
+        yield list(encoded), None if resync else 3
+    finally:
+        trainer.close()
+
+
+def _stream(tensors: dict[str, torch.Tensor], version: int | None, **kw: object) -> PayloadStream:
+    current = None if version is None else WeightVersion(version)
+    options = {"admit": lambda layout: None, "candidates": 64, "rng": np.random.default_rng(0)}
+    options.update(kw)
+    return PayloadStream(tensors, current, **options)  # type: ignore[arg-type]
+
+
+def _cuts(data: bytes, sizes: list[int]) -> Iterator[memoryview]:
+    view = memoryview(data)
+    at = 0
+    index = 0
+    while at < len(view):
+        size = sizes[index % len(sizes)]
+        yield view[at : at + size]
+        at += size
+        index += 1
+
+
+@pytest.mark.parametrize("sizes", [[1 << 30], [4096], [3, 5000, 17, 65536], [7]])
+def test_any_chunking_gives_the_bits_of_a_whole_apply(
+    payloads: tuple[list[DeltaPayload], int | None], sizes: list[int]
+) -> None:
+    encoded, version = payloads
+    if sizes == [7] and version is None:
+        encoded = encoded[:1]  # byte-sized pieces of a whole resync take long; one payload
+    expected = make_state(1 if version is not None else 2)
+    streamed = make_state(1 if version is not None else 2)
+    current = None if version is None else WeightVersion(version)
+    for payload in encoded:
+        apply_payload(payload, expected, current)
+        stream = _stream(streamed, version)
+        for piece in _cuts(payload.to_bytes(), sizes):
+            stream.feed(piece)
+        result = stream.finish(payload.checksum)
+        assert result.nbytes == payload.nbytes and result.verified > 0
+    assert digests(streamed) == digests(expected)
+
+
+def test_a_corrupted_byte_is_found_at_the_end_and_every_write_undone(
+    payloads: tuple[list[DeltaPayload], int | None],
+) -> None:
+    encoded, version = payloads
+    payload = max(encoded, key=lambda p: p.nbytes)
+    data = bytearray(payload.to_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, version)
+    for piece in _cuts(bytes(data), [64 * KiB]):
+        stream.feed(piece)
+    with pytest.raises((ChecksumMismatchError, ProtocolError)):
+        stream.finish(payload.checksum)
+    assert digests(tensors) == before and len(stream.undo) == 0
+
+
+def test_a_declared_checksum_that_differs_undoes_the_payload(
+    payloads: tuple[list[DeltaPayload], int | None],
+) -> None:
+    encoded, version = payloads
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, version)
+    stream.feed(memoryview(encoded[0].to_bytes()))
+    with pytest.raises(ChecksumMismatchError):
+        stream.finish("0" * 32)
+    assert digests(tensors) == before
+
+
+def test_an_abandoned_payload_is_undone(payloads: tuple[list[DeltaPayload], int | None]) -> None:
+    encoded, version = payloads
+    payload = max(encoded, key=lambda p: p.nbytes)
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, version)
+    data = payload.to_bytes()
+    stream.feed(memoryview(data)[: len(data) - 1])
+    stream.abandon()
+    assert digests(tensors) == before
+
+
+def test_a_payload_cut_short_is_refused(payloads: tuple[list[DeltaPayload], int | None]) -> None:
+    encoded, version = payloads
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, version)
+    data = encoded[0].to_bytes()
+    stream.feed(memoryview(data)[:-10])
+    with pytest.raises(ProtocolError, match="before its end"):
+        stream.finish(encoded[0].checksum)
+    stream = _stream(tensors, version)
+    stream.feed(memoryview(data + b"extra"))
+    with pytest.raises(ProtocolError, match="past its end"):
+        stream.finish(encoded[0].checksum)
+    assert digests(tensors) == before
+
+
+def test_refusals_come_before_the_first_write(
+    payloads: tuple[list[DeltaPayload], int | None],
+) -> None:
+    encoded, version = payloads
+    tensors = make_state(1)
+    tensors["embed.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    before = digests(tensors)
+    stream = _stream(tensors, version)
+    for payload in encoded:
+        stream = _stream(tensors, version)
+        stream.feed(memoryview(payload.to_bytes()))
+        if any(item.name == "embed.weight" for item in payload.items):
+            with pytest.raises(GeometryMismatchError, match="embed"):
+                stream.finish(payload.checksum)
+            assert digests(tensors) == before
+            break
+    else:
+        pytest.fail("no payload carries embed.weight")
+
+    def refuse(layout: object) -> None:
+        raise ProtocolError("the receiver's own rule")
+
+    fresh = make_state(1)
+    untouched = digests(fresh)
+    stream = _stream(fresh, version, admit=refuse)
+    stream.feed(memoryview(encoded[0].to_bytes()))
+    with pytest.raises(ProtocolError, match="own rule"):
+        stream.finish(encoded[0].checksum)
+    assert digests(fresh) == untouched and len(stream.undo) == 0
+
+
+def test_undo_of_a_finished_stream_restores_the_old_bits() -> None:
+    trainer = Trainer(make_state(1), version=0, bucket_bytes=4 * MiB)
+    try:
+        (payload,) = trainer.shards[0].tracker.encode(make_state(3), WeightVersion(1), resync=True)
+    finally:
+        trainer.close()
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, None)
+    for piece in _cuts(payload.to_bytes(), [10_000]):
+        stream.feed(piece)
+    stream.finish(payload.checksum)
+    assert digests(tensors) == digests(make_state(3))
+    undo = UndoLog(list(stream.undo.entries))
+    undo.restore()
+    assert digests(tensors) == before

@@ -1,0 +1,21 @@
+"""UndoArena: pieces never overlap within a transfer; blocks are reused after it, up to a cap."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refit_zmq.codec.undo_arena import UndoArena
+
+
+def test_pieces_are_distinct_memory_until_recycled() -> None:
+    arena = UndoArena(max_pooled_bytes=8 * 1024, block_bytes=4 * 1024)
+    pieces = [arena.take(1000) for _ in range(9)] + [arena.take(10_000)]
+    for index, piece in enumerate(pieces):
+        piece[:] = index
+    assert [int(p[0]) for p in pieces] == list(range(10)) and pieces[-1].nbytes == 10_000
+    arena.recycle()
+    assert arena.pooled_bytes == 8 * 1024, "at most the cap is kept"
+    reused = arena.take(4096)
+    assert any(np.shares_memory(reused, p) for p in pieces[:9]), "a kept block serves again"
+    arena.recycle()
+    assert arena.pooled_bytes == 8 * 1024
