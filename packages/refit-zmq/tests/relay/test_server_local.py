@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 import zmq
@@ -12,6 +13,7 @@ from relay_helpers import TUNING, MiB, Trainer, digests, make_state
 from refit_core.types import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
+    StreamingReceiver,
     TensorReceiver,
     ZmqSparseRefitClient,
     ZmqSparseRefitServer,
@@ -165,3 +167,45 @@ def test_a_payload_whose_sender_goes_quiet_half_way_is_undone(
         assert receiver.status(digests=True)["digests"] == before, "half a payload stayed applied"
     finally:
         link.close()
+
+
+class _WholePayloads:
+    """A receiver without ``open_payload``: the relay must hand it each payload whole."""
+
+    def __init__(self, inner: TensorReceiver) -> None:
+        self.inner = inner
+        self.bodies: list[int] = []
+
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        self.bodies.append(len(body))
+        return self.inner.apply(body, metadata)
+
+    def commit(self, transfer_id: str) -> dict[str, Any]:
+        return self.inner.commit(transfer_id)
+
+    def rollback(self, transfer_id: str) -> dict[str, Any]:
+        return self.inner.rollback(transfer_id)
+
+    def status(self, *, digests: bool = False) -> dict[str, Any]:
+        return self.inner.status(digests=digests)
+
+
+def test_a_receiver_that_does_not_stream_gets_each_payload_whole() -> None:
+    receiver = _WholePayloads(TensorReceiver(make_state(71), version=0))
+    assert not isinstance(receiver, StreamingReceiver)
+    server = ZmqSparseRefitServer(receiver, api_key_env_var=None, timeout_s=3.0, tuning=TUNING)
+    address = server.start()
+    trainer = Trainer(make_state(71), version=0)
+    try:
+        server.configure_tree([address], own_address=address)
+        trainer.step(seed=73)
+        payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
+        transfer_id = new_transfer_id(1)
+        _deliver(address, payloads, transfer_id, verification_candidates=8)
+        assert server.flush(transfer_id, len(payloads))["complete"] is True
+        assert receiver.bodies == [p.nbytes for p in payloads]
+        receiver.commit(transfer_id)
+        assert receiver.status(digests=True)["digests"] == digests(trainer.state)
+    finally:
+        trainer.close()
+        server.close()
