@@ -169,20 +169,31 @@ class PayloadStream:
         self._starts: list[int] = []
         self._checks: list[_Check] = []
         self._at = 0
+        self._fed = 0
         self._total = 0
         self._error: BaseException | None = None
         self._done = False
 
     def feed(self, chunk: memoryview | bytes) -> None:
         """Take the payload's next bytes. Never raises: a failure undoes what this payload
-        wrote, and :meth:`finish` raises it."""
-        if self._error is not None or self._done:
+        wrote, and :meth:`finish` raises it (the bytes after it are still hashed, so that a
+        corrupted payload is reported as such whatever its corruption broke first)."""
+        if self._done:
             return
-        try:
-            self._take(memoryview(chunk).cast("B"))
-        except Exception as exc:
-            self._error = exc
-            self.undo.restore()
+        view = memoryview(chunk).cast("B")
+        start = self._fed
+        self._fed += len(view)
+        if self._error is None:
+            try:
+                self._take(view)
+                return
+            except Exception as exc:
+                self._error = exc
+                self.undo.restore()
+        rest = view[max(0, self._hasher.offset - start) :]
+        if self._total:
+            rest = rest[: max(0, self._total - self._hasher.offset)]
+        self._hasher.update(rest)
 
     def finish(self, checksum: str) -> StreamResult:
         """Check the payload is whole and is what ``checksum`` (hex xxh3-128) names, then read
@@ -197,23 +208,33 @@ class PayloadStream:
             raise RuntimeError("payload stream already finished")
         self._done = True
         if self._error is not None:
+            corrupt = self._checksum_error(checksum)
+            if corrupt is not None:
+                raise corrupt from self._error
             raise self._error
         try:
             layout = self._layout
             if layout is None or self._at != layout.total_bytes:
                 raise ProtocolError(f"payload ended after {self._at} bytes, before its end")
-            digest = self._hasher.digest()
-            if digest != carried_checksum(self._head):
-                raise ChecksumMismatchError("payload bytes differ from their checksum; undone")
-            if digest.hex() != checksum:
-                raise ChecksumMismatchError(
-                    "payload checksum differs from the declared one; undone"
-                )
+            corrupt = self._checksum_error(checksum)
+            if corrupt is not None:
+                raise corrupt
             verified = sum(check_held(c.name, c.tensor, c.positions, c.sent) for c in self._checks)
         except BaseException:
             self.undo.restore()
             raise
         return StreamResult(tuple(item for item, _ in layout.items), self._at, verified)
+
+    def _checksum_error(self, checksum: str) -> ChecksumMismatchError | None:
+        """The error for bytes that are not what the payload carries or was declared as."""
+        if len(self._head) < PRELUDE_BYTES:
+            return None
+        digest = self._hasher.digest()
+        if digest != carried_checksum(self._head):
+            return ChecksumMismatchError("payload bytes differ from their checksum; undone")
+        if digest.hex() != checksum:
+            return ChecksumMismatchError("payload checksum differs from the declared one; undone")
+        return None
 
     def abandon(self) -> None:
         """Undo whatever this payload wrote (it will never be finished)."""
@@ -223,13 +244,13 @@ class PayloadStream:
     # -- bytes in ------------------------------------------------------------------------
 
     def _take(self, view: memoryview) -> None:
-        self._hasher.update(view)
         if self._layout is None:
             view = self._take_head(view)
             if self._layout is None:
                 return
         start = self._at
         end = start + len(view)
+        self._hasher.update(view[: self._total - start])
         if end > self._total:
             raise ProtocolError(f"payload bytes run past its end ({self._total})")
         index = max(0, bisect.bisect_right(self._starts, start) - 1)
@@ -254,12 +275,14 @@ class PayloadStream:
 
     def _collect_head(self, view: memoryview, need: int) -> memoryview:
         taken = view[:need]
+        self._hasher.update(taken)
         self._head += taken
         self._at += len(taken)
         return view[len(taken) :]
 
     def _plan(self, layout: PayloadLayout) -> None:
         """Check every item, then map each buffer to the item that consumes it."""
+        self._total = layout.total_bytes
         for item, _ in layout.items:
             check_item(item, self._tensors, self._current)
         self._admit(layout)
@@ -289,7 +312,6 @@ class PayloadStream:
                     self._regions.append(_Region(start, end, buffer, owner))
         self._regions.sort(key=lambda region: region.start)
         self._starts = [region.start for region in self._regions]
-        self._total = layout.total_bytes
         self._layout = layout
 
     def _direct(
