@@ -47,12 +47,10 @@ PROMPTS = [[1, 2, 3], [7, 7, 7, 7]]
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    import ray
-
     import ray_actors
 
-    ray.cloudpickle.register_pickle_by_value(ray_actors)  # type: ignore[no-untyped-call]
-    with local_ray(num_cpus=4, object_store_memory=80 * MiB, log_to_driver=False):
+    options = {"object_store_memory": 80 * MiB, "log_to_driver": False}
+    with local_ray(num_cpus=4, by_value=[ray_actors], **options):
         yield
 
 

@@ -40,11 +40,11 @@ def ray_session() -> Iterator[None]:
     import rank_actors
     from refit_lab.ray_cluster import local_ray
 
-    ray.cloudpickle.register_pickle_by_value(rank_actors)
     with pytest.MonkeyPatch.context() as patch:
         # a shared test machine: other users' memory must not get these workers OOM-killed
         patch.setenv("RAY_memory_monitor_refresh_ms", "0")
-        with local_ray(num_cpus=4, object_store_memory=80 * MiB, log_to_driver=False):
+        options = {"object_store_memory": 80 * MiB, "log_to_driver": False}
+        with local_ray(num_cpus=4, by_value=[rank_actors], **options):
             yield
 
 

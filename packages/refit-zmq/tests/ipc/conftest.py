@@ -24,12 +24,11 @@ collect_ignore = [] if importlib.util.find_spec("ray") else ["test_synchronizer.
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
     import ipc_actors
-    import ray
 
     from refit_lab.ray_cluster import local_ray
 
-    ray.cloudpickle.register_pickle_by_value(ipc_actors)
-    with local_ray(num_cpus=4, object_store_memory=80 * MiB, log_to_driver=False):
+    options = {"object_store_memory": 80 * MiB, "log_to_driver": False}
+    with local_ray(num_cpus=4, by_value=[ipc_actors], **options):
         yield
 
 

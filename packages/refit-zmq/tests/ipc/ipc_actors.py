@@ -11,6 +11,7 @@ import torch
 
 from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.faults import fault_self
+from refit_lab.ray_cluster import ActorFleet
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_zmq.ipc import IpcReceiver
 
@@ -64,25 +65,15 @@ class EngineWorker(EngineWorkerProbes):
 RemoteEngineWorker = ray.remote(EngineWorker)
 
 
-class EngineFleet:
+class EngineFleet(ActorFleet):
     """Engine workers (actors, one process each) as an ``IpcGeneration``."""
 
     def __init__(self, workers: int) -> None:
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 0}
-        self.workers = [
-            RemoteEngineWorker.options(**options).remote(100 + i) for i in range(workers)
-        ]
+        super().__init__(
+            [RemoteEngineWorker.options(**options).remote(100 + i) for i in range(workers)]
+        )
 
     def ipc_addresses(self) -> list[str]:
         addresses: list[str] = self.call("address")
         return addresses
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=120)
-
-    def reset(self, seed: int) -> None:
-        ray.get([w.reset.remote(seed + i) for i, w in enumerate(self.workers)], timeout=120)
-
-    def close(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)

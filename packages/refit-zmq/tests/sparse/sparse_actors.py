@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from refit_lab.conformance import EngineWorkerProbes
+from refit_lab.ray_cluster import ActorFleet
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_zmq.relay import RelayTuning, ShardProducer
@@ -48,28 +49,18 @@ class EngineWorker(EngineWorkerProbes):
 RemoteEngineWorker = ray.remote(EngineWorker)
 
 
-class EngineFleet:
+class EngineFleet(ActorFleet):
     """Engine workers as a ``ZmqRelayGeneration``."""
 
     def __init__(self, config: ReferenceModelConfig, workers: int) -> None:
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 0}
-        self.workers = [
-            RemoteEngineWorker.options(**options).remote(config, 100 + i) for i in range(workers)
-        ]
+        super().__init__(
+            [RemoteEngineWorker.options(**options).remote(config, 100 + i) for i in range(workers)]
+        )
 
     def relay_addresses(self) -> list[str]:
         addresses: list[str] = self.call("relay_address")
         return addresses
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=120)
-
-    def reset(self, seed: int) -> None:
-        ray.get([w.reset.remote(seed + i) for i, w in enumerate(self.workers)], timeout=120)
-
-    def close(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
 
 
 class TrainerRank(ShardProducer):
