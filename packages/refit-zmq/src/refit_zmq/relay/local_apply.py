@@ -63,10 +63,11 @@ class _Sink:
 
 
 def _applied_whole(
-    receiver: Receiver, body: bytes, metadata: dict[str, Any]
+    receiver: Receiver, staged: StagedPayload, metadata: dict[str, Any]
 ) -> tuple[dict[str, Any], float]:
+    """Join the payload's chunks and apply it (on the receiver thread: the join copies)."""
     started = time.perf_counter()
-    result = receiver.apply(memoryview(body), metadata)
+    result = receiver.apply(memoryview(staged.joined()), metadata)
     return result, time.perf_counter() - started
 
 
@@ -101,7 +102,7 @@ class LocalApply:
         """The apply of a complete payload (None: not complete yet)."""
         if not staged.complete:
             return None
-        return functools.partial(_applied_whole, self._receiver, staged.joined(), _metadata(staged))
+        return functools.partial(_applied_whole, self._receiver, staged, _metadata(staged))
 
     def _streamed(self, staged: StagedPayload) -> Job | None:
         """Feed the chunks that continue what was fed; the finish once every byte was fed."""

@@ -174,6 +174,11 @@ class PayloadStream:
         self._error: BaseException | None = None
         self._done = False
 
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` or :meth:`abandon` was called."""
+        return self._done
+
     def feed(self, chunk: memoryview | bytes) -> None:
         """Take the payload's next bytes. Never raises: a failure undoes what this payload
         wrote, and :meth:`finish` raises it (the bytes after it are still hashed, so that a
@@ -237,9 +242,11 @@ class PayloadStream:
         return None
 
     def abandon(self) -> None:
-        """Undo whatever this payload wrote (it will never be finished)."""
-        self._done = True
-        self.undo.restore()
+        """Undo whatever this payload wrote (it will never be finished); after
+        :meth:`finish`, nothing (a kept payload's undo data belongs to its transfer)."""
+        if not self._done:
+            self._done = True
+            self.undo.restore()
 
     # -- bytes in ------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ only a committed transfer moves the receiver's version.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,7 +18,7 @@ import torch
 
 from refit_core.errors import ProtocolError
 from refit_core.types import WeightVersion
-from refit_zmq.codec import PayloadLayout, UndoLog, tensor_digest
+from refit_zmq.codec import ItemHeader, UndoLog, tensor_digest
 from refit_zmq.codec.undo_arena import UndoArena
 from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
 from refit_zmq.relay.payload_stream import ByteViews, PayloadStream, StreamResult
@@ -137,12 +137,10 @@ class TensorReceiver:
         self._version = None if version is None else WeightVersion(version)
         self._on_commit = on_commit
         self._on_rollback = on_rollback
-        state_bytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
+        state_bytes = _nbytes(self._tensors.values())
         self._max_undo_bytes = 4 * state_bytes if max_undo_bytes is None else max_undo_bytes
         self._rng = np.random.default_rng(seed)
-        host_bytes = sum(
-            t.numel() * t.element_size() for t in self._tensors.values() if t.device.type == "cpu"
-        )
+        host_bytes = _nbytes(t for t in self._tensors.values() if t.device.type == "cpu")
         self._arena = UndoArena(
             max_pooled_bytes=host_bytes if undo_pool_bytes is None else undo_pool_bytes
         )
@@ -177,7 +175,7 @@ class TensorReceiver:
         stream = PayloadStream(
             self._tensors,
             self._version,
-            admit=lambda layout: self._target(_targets(layout), transfer_id),
+            admit=lambda layout: self._target(_targets(i for i, _ in layout.items), transfer_id),
             candidates=int(metadata.get("verification_candidates", 0)),
             rng=self._rng,
             views=self._views,
@@ -202,7 +200,7 @@ class TensorReceiver:
 
     def _keep(self, result: StreamResult, undo: UndoLog, transfer_id: str) -> dict[str, Any]:
         """Adopt a finished payload's undo data into the open transfer."""
-        target = self._target(frozenset(item.target for item in result.items), transfer_id)
+        target = self._target(_targets(result.items), transfer_id)
         held = undo.nbytes + (0 if self._open is None else self._open.undo.nbytes)
         if held > self._max_undo_bytes:
             raise ProtocolError(
@@ -288,8 +286,12 @@ class TensorReceiver:
         return report
 
 
-def _targets(layout: PayloadLayout) -> frozenset[WeightVersion]:
-    return frozenset(item.target for item, _ in layout.items)
+def _targets(items: Iterable[ItemHeader]) -> frozenset[WeightVersion]:
+    return frozenset(item.target for item in items)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _IncomingPayload:
@@ -322,5 +324,6 @@ class _IncomingPayload:
             self._closed()
 
     def abandon(self) -> None:
-        self._stream.abandon()
-        self._closed()
+        if not self._stream.finished:
+            self._stream.abandon()
+            self._closed()
