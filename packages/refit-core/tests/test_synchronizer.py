@@ -8,6 +8,7 @@ import pytest
 
 from refit_core import (
     Deadline,
+    Recovery,
     RefitError,
     RefitResult,
     RefitTimeoutError,
@@ -71,7 +72,7 @@ def test_timeouts_become_refit_timeout_errors() -> None:
     sync.fail_with = TimeoutError("socket")
     with pytest.raises(RefitTimeoutError) as info:
         sync.sync_weights()
-    assert info.value.is_retryable
+    assert info.value.recovery is Recovery.RECOVER
 
 
 def test_refit_errors_pass_through_unchanged() -> None:

@@ -11,6 +11,10 @@ from refit_core import (
     BackendNotInstalledError,
     CollectiveSenderSpec,
     Deadline,
+    EngineReport,
+    EngineState,
+    Recovery,
+    RefitAbortedError,
     RefitError,
     RefitResult,
     RefitTimeoutError,
@@ -70,7 +74,9 @@ def test_refit_result_aggregates_workers() -> None:
 
 
 def test_error_tree_mixes_builtins_and_pickles() -> None:
-    assert issubclass(RefitTimeoutError, TimeoutError) and RefitTimeoutError("x").is_retryable
+    assert issubclass(RefitTimeoutError, TimeoutError)
+    assert RefitTimeoutError("x").recovery is Recovery.RECOVER
+    assert not RefitTimeoutError("x").is_retryable
     err = BackendNotInstalledError("missing", install_hint='pip install "refit-core[zmq]"')
     assert isinstance(err, ImportError) and not err.is_retryable
     worker = WorkerError("status 'error'", worker="w0", operation="/engine/pause")
@@ -78,6 +84,27 @@ def test_error_tree_mixes_builtins_and_pickles() -> None:
     wedged = RefitError("timed out", wedged_workers=["w1"])
     assert wedged.wedged_workers == ("w1",)
     assert RefitError("x", is_retryable=True).is_retryable
+
+
+def test_errors_carry_structured_facts_through_pickling() -> None:
+    engines = [
+        EngineReport(0, "tcp://a:1", EngineState.OLD, 3),
+        EngineReport(1, "tcp://b:1", EngineState.UNKNOWN, None, "UNREACHABLE: no answer"),
+        EngineReport(None, "w9", EngineState.CLOSED, None),
+    ]
+    error = WorkerError(
+        "died", worker="shard 1", operation="refit_transfer", engines=engines, wedged_workers=["w9"]
+    )
+    assert error.recovery is Recovery.RECOVER and not error.is_retryable
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is WorkerError and str(copy) == str(error)
+    assert copy.worker == "shard 1" and copy.operation == "refit_transfer"
+    assert copy.engines == tuple(engines) and copy.wedged_workers == ("w9",)
+    assert copy.failed_shards == (1,)
+    assert copy.states()["tcp://a:1"] is EngineState.OLD
+    assert RefitError("x", recovery=Recovery.RESYNC).recovery is Recovery.RESYNC
+    assert RefitError("x", is_retryable=False).recovery is Recovery.FIX
+    assert not RefitAbortedError("aborted").is_retryable
 
 
 def test_deadline_arithmetic() -> None:

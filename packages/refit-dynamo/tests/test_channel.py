@@ -8,7 +8,13 @@ import types
 
 import pytest
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, RefitTimeoutError, TensorSpec
+from refit_core import (
+    CollectiveSenderSpec,
+    GeometryMismatchError,
+    Recovery,
+    RefitTimeoutError,
+    TensorSpec,
+)
 from refit_dynamo import (
     VLLM_SENDER_SPEC,
     DynamoRefitChannel,
@@ -141,4 +147,4 @@ def test_worker_errors_pickle_with_their_fields() -> None:
         pickle.dumps(DynamoWorkerTimeoutError("slow", instance_id="7", route="r"))
     )
     assert isinstance(timeout, RefitTimeoutError) and isinstance(timeout, TimeoutError)
-    assert timeout.is_retryable and timeout.worker == "7"
+    assert timeout.recovery is Recovery.RECOVER and timeout.worker == "7"

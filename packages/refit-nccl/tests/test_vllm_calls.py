@@ -10,6 +10,7 @@ from refit_core import (
     CollectiveSenderSpec,
     GeometryMismatchError,
     ProtocolError,
+    Recovery,
     RefitTimeoutError,
     WorkerError,
 )
@@ -38,7 +39,7 @@ def test_errors_come_back_typed_and_named() -> None:
         decode_reply(refused, "w0", "refit_plan")
     with pytest.raises(RefitTimeoutError, match="late") as timed_out:
         decode_reply(encode_reply(error=TimeoutError("late")), "w0", "refit_transfer")
-    assert timed_out.value.is_retryable
+    assert timed_out.value.recovery is Recovery.RECOVER
     with pytest.raises(WorkerError, match="KeyError") as other:
         decode_reply(encode_reply(error=KeyError("x")), "w0", "refit_transfer")
     assert (other.value.worker, other.value.operation) == ("w0", "refit_transfer")

@@ -1,21 +1,36 @@
-"""The one error tree of refit.
+"""The one error tree of refit, with the structured facts a controller acts on.
 
 Every error raised by refit derives from :class:`RefitError`; several also derive from the
 builtin they refine (``TimeoutError``, ``ImportError``, ``ValueError``) so callers that catch
-builtins keep working. ``is_retryable`` tells a controller whether the same refit may be tried
-again (possibly after ``reconcile_communicator`` or a dense resync) or needs a human.
+builtins keep working. Besides its one-line message, an error says what a program needs to
+recover without parsing text:
+
+- ``recovery``: what makes the next refit succeed (:class:`Recovery`): retry as is, recover
+  first (drop the dead, reopen the closed, rebuild the communicator), a dense resync, or a
+  fix by a person (bad input or configuration). ``is_retryable`` is True exactly when a plain
+  retry may succeed.
+- ``engines``: each engine's state after the failure (:class:`EngineReport`: old, new,
+  closed or unknown, by shard index and label), where the backend knows it.
+- ``wedged_workers``: engines whose side of a transfer refit could not release.
+
+Underlying exceptions are chained (``raise ... from``), never concatenated into the message.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
+    "EngineReport",
+    "EngineState",
     "GeometryMismatchError",
     "ProtocolError",
+    "Recovery",
     "RefitAbortedError",
     "RefitError",
     "RefitTimeoutError",
@@ -26,58 +41,148 @@ __all__ = [
 ]
 
 
+class EngineState(enum.StrEnum):
+    """What an engine serves after a refit failed.
+
+    ``OLD``: exactly its previous version (rolled back, or never touched). ``NEW``: the
+    refit's target version (it committed before the failure elsewhere). ``CLOSED``: nothing
+    until a complete refit succeeds (it may hold partial weights; it generates no token).
+    ``UNKNOWN``: it could not be asked (dead, frozen, unreachable).
+    """
+
+    OLD = "old"
+    NEW = "new"
+    CLOSED = "closed"
+    UNKNOWN = "unknown"
+
+
+class Recovery(enum.StrEnum):
+    """What must happen before the next refit can succeed.
+
+    ``RETRY``: nothing; the same call may succeed as is. ``RECOVER``: call the
+    synchronizer's ``recover()`` first (it drops dead engines, rebuilds the communicator,
+    reopens closed engines with a dense resync). ``RESYNC``: the next refit must be a dense
+    resync (``recover()`` arranges it). ``FIX``: a person must change the input or the
+    configuration (a wrong geometry, a key, a bad argument); retrying cannot help.
+    """
+
+    RETRY = "retry"
+    RECOVER = "recover"
+    RESYNC = "resync"
+    FIX = "fix"
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine after a failed refit.
+
+    Attributes:
+        shard: the engine's shard index (what ``reconcile_communicator`` takes), when known.
+        worker: the engine's label (a relay address, an actor label, an instance id).
+        state: what it serves now.
+        version: the version it serves (None when closed or unknown).
+        reason: one line on what went wrong there (None when nothing did).
+    """
+
+    shard: int | None
+    worker: str
+    state: EngineState
+    version: int | None = None
+    reason: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether something went wrong on this engine."""
+        return self.reason is not None or self.state in (EngineState.CLOSED, EngineState.UNKNOWN)
+
+
 class RefitError(Exception):
     """Base of every refit error.
 
     Attributes:
-        is_retryable: whether the same refit may be attempted again.
+        recovery: what makes the next refit succeed (see :class:`Recovery`).
+        is_retryable: whether the same refit may succeed if simply attempted again.
         wedged_workers: engines whose side of a transfer refit could not release (for
             example a Dynamo or SGLang process inside a collective); they need recovery.
+        engines: each engine's state after the failure, where the backend knows it.
     """
 
-    is_retryable: bool = False
+    recovery: Recovery = Recovery.FIX
 
     def __init__(
         self,
         message: str,
         *,
         is_retryable: bool | None = None,
+        recovery: Recovery | None = None,
         wedged_workers: Sequence[str] = (),
+        engines: Sequence[EngineReport] = (),
     ) -> None:
         super().__init__(message)
-        if is_retryable is not None:
-            self.is_retryable = is_retryable
+        if recovery is not None:
+            self.recovery = recovery
+        elif is_retryable is not None:
+            self.recovery = Recovery.RETRY if is_retryable else Recovery.FIX
         self.wedged_workers: tuple[str, ...] = tuple(wedged_workers)
+        self.engines: tuple[EngineReport, ...] = tuple(engines)
+
+    @property
+    def is_retryable(self) -> bool:
+        """Whether a plain retry (no ``recover()``, no resync) may succeed."""
+        return self.recovery is Recovery.RETRY
+
+    @property
+    def failed_shards(self) -> tuple[int, ...]:
+        """Shard indices of the engines something went wrong on."""
+        return tuple(e.shard for e in self.engines if e.failed and e.shard is not None)
+
+    def states(self) -> dict[str, EngineState]:
+        """Engine label -> its state after the failure."""
+        return {e.worker: e.state for e in self.engines}
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only fields survive pickling (Ray ships errors between processes).
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(
+    cls: type[RefitError], args: tuple[object, ...], state: dict[str, object]
+) -> RefitError:
+    """Rebuild a pickled refit error without calling its ``__init__``."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
     """A refit (or one of its network or collective calls) passed its deadline."""
 
-    is_retryable = True
+    recovery = Recovery.RECOVER
 
 
 class RefitAbortedError(RefitError):
     """A communicator was aborted; it is unusable until rebuilt."""
 
-    is_retryable = True
+    recovery = Recovery.RECOVER
 
 
 class ChecksumMismatchError(RefitError, ValueError):
     """A payload's checksum did not match its contents; nothing was applied."""
 
-    is_retryable = True
+    recovery = Recovery.RETRY
 
 
 class StaleBaseError(RefitError):
     """A payload was built against another base version than the receiver holds."""
 
-    is_retryable = True
+    recovery = Recovery.RESYNC
 
 
 class VerificationError(RefitError):
     """Applied weights differ from what the trainer sent (digest or sampled values)."""
 
-    is_retryable = True
+    recovery = Recovery.RESYNC
 
 
 class GeometryMismatchError(RefitError, ValueError):
@@ -100,6 +205,8 @@ class WorkerError(RefitError):
         operation: what was being done (a route, an RPC name).
     """
 
+    recovery = Recovery.RECOVER
+
     def __init__(
         self,
         message: str,
@@ -107,8 +214,17 @@ class WorkerError(RefitError):
         worker: str,
         operation: str,
         is_retryable: bool | None = None,
+        recovery: Recovery | None = None,
+        wedged_workers: Sequence[str] = (),
+        engines: Sequence[EngineReport] = (),
     ) -> None:
-        super().__init__(f"{worker}: {operation}: {message}", is_retryable=is_retryable)
+        super().__init__(
+            f"{worker}: {operation}: {message}",
+            is_retryable=is_retryable,
+            recovery=recovery,
+            wedged_workers=wedged_workers,
+            engines=engines,
+        )
         self.worker = worker
         self.operation = operation
 

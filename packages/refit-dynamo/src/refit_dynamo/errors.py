@@ -41,27 +41,9 @@ class DynamoWorkerError(WorkerError):
         """The admin route that failed."""
         return self.operation
 
-    def __reduce__(self) -> tuple[object, ...]:
-        """Pickle by keyword (Ray ships these across processes)."""
-        return (
-            _rebuild,
-            (type(self), self.detail, self.instance_id, self.route, self.status_code),
-            {"is_retryable": self.is_retryable},
-        )
-
 
 class DynamoWorkerTimeoutError(DynamoWorkerError, RefitTimeoutError):
     """An admin call got no answer within its timeout; the worker may still be running it."""
-
-
-def _rebuild(
-    cls: type[DynamoWorkerError],
-    message: str,
-    instance_id: str,
-    route: str,
-    status_code: int | None,
-) -> DynamoWorkerError:
-    return cls(message, instance_id=instance_id, route=route, status_code=status_code)
 
 
 class DynamoFleetError(RefitError):

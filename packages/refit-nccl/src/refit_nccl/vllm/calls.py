@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit_core import errors
-from refit_core.errors import ProtocolError, RefitError, WorkerError
+from refit_core.errors import ProtocolError, Recovery, RefitError, WorkerError
 
 __all__ = ["ENDPOINT_METHODS", "decode_call", "decode_reply", "encode_call", "encode_reply"]
 
@@ -43,7 +43,7 @@ class _Reply:
     result: Any = None
     error_type: str | None = None
     error_message: str = ""
-    retryable: bool | None = None
+    recovery: str | None = None
 
 
 def encode_call(method: str, args: tuple[Any, ...]) -> bytes:
@@ -74,8 +74,8 @@ def encode_reply(result: Any = None, error: BaseException | None = None) -> byte
     if error is None:
         reply = _Reply(result)
     else:
-        retryable = error.is_retryable if isinstance(error, RefitError) else None
-        reply = _Reply(None, type(error).__name__, str(error), retryable)
+        recovery = error.recovery.value if isinstance(error, RefitError) else None
+        reply = _Reply(None, type(error).__name__, str(error), recovery)
     return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -95,15 +95,16 @@ def decode_reply(data: bytes, worker: str, method: str) -> Any:
     name = "RefitTimeoutError" if reply.error_type == "TimeoutError" else reply.error_type
     error_type = getattr(errors, name, None)
     message = f"{worker}: {method}: {reply.error_message}"
+    recovery = None if reply.recovery is None else Recovery(reply.recovery)
     if (
         isinstance(error_type, type)
         and issubclass(error_type, RefitError)
         and error_type not in (WorkerError, errors.BackendNotInstalledError)
     ):
-        raise error_type(message, is_retryable=reply.retryable)
+        raise error_type(message, recovery=recovery)
     raise WorkerError(
         f"{reply.error_type}: {reply.error_message}",
         worker=worker,
         operation=method,
-        is_retryable=reply.retryable,
+        recovery=recovery,
     )
