@@ -5,6 +5,7 @@ Importing it loads no torch, zmq, ray, numpy or HTTP library; backends are found
 """
 
 from refit_core.deadline import Deadline
+from refit_core.engine_hooks import RefitHooks
 from refit_core.errors import (
     AuthenticationError,
     BackendNotInstalledError,
@@ -23,8 +24,9 @@ from refit_core.errors import (
     WorkerError,
 )
 from refit_core.factory import create_weight_synchronizer
+from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
 from refit_core.registry import SynchronizerRequest
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core.synchronizer import RecoveryReport, WeightSynchronizer
 from refit_core.types import (
     CollectiveSenderSpec,
     NamedTensor,
@@ -44,14 +46,19 @@ __all__ = [
     "ChecksumMismatchError",
     "CollectiveSenderSpec",
     "Deadline",
+    "EngineHealth",
     "EngineReport",
     "EngineState",
+    "EngineStatus",
+    "FleetStatus",
     "GeometryMismatchError",
     "NamedTensor",
     "ProtocolError",
     "Recovery",
+    "RecoveryReport",
     "RefitAbortedError",
     "RefitError",
+    "RefitHooks",
     "RefitResult",
     "RefitTimeoutError",
     "ShardInfo",
