@@ -65,12 +65,17 @@ class BackendTraits:
         abort_releases: ``abort()`` from another thread releases a blocked call (NCCL), so
             calls run under a :class:`~refit_nccl.watchdog.Watchdog`.
         construct: ``(store, rank, size, timeout, rendezvous host) -> process group``.
+        waits_in_slices: a caller blocked in a collective waits in short slices and leaves
+            when the group is aborted, abandoning the call (gloo: its abort releases nothing,
+            but a timed-out ``wait`` of a collective leaves it running, and it ends by its own
+            timeout later; the caller must not reuse its buffers).
     """
 
     name: Backend
     per_call_timeout: bool
     abort_releases: bool
     construct: _Constructor
+    waits_in_slices: bool = False
 
     def device(self) -> torch.device:
         """The device this backend's tensors live on in the calling process."""
@@ -108,7 +113,7 @@ def _construct_nccl(
 
 
 _TRAITS: dict[str, BackendTraits] = {
-    "gloo": BackendTraits("gloo", per_call_timeout=True, abort_releases=False, construct=_construct_gloo),
+    "gloo": BackendTraits("gloo", per_call_timeout=True, abort_releases=False, construct=_construct_gloo, waits_in_slices=True),
     "nccl": BackendTraits("nccl", per_call_timeout=False, abort_releases=True, construct=_construct_nccl),
 }  # fmt: skip
 

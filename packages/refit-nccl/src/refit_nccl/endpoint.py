@@ -27,6 +27,7 @@ from refit_core import (
     RefitTimeoutError,
     TensorSpec,
 )
+from refit_core.engine_hooks import notify
 from refit_core.protocols import PolicyLike
 from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
@@ -100,6 +101,8 @@ class EngineStatus:
         dirty: a transfer failed part-way; the weights are mixed until the next full refit.
         connected: whether its group is usable.
         abort_cause: why its group was aborted, if it was.
+        closed: its weights changed since the last commit: it serves nothing (its engine
+            was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
     """
 
     committed_version: int
@@ -107,6 +110,7 @@ class EngineStatus:
     dirty: bool
     connected: bool
     abort_cause: str | None
+    closed: bool = False
 
 
 def _deadline(timeout_s: float | None, what: str) -> Deadline:
@@ -161,10 +165,18 @@ class _Endpoint(ABC):
             return plan.digest
 
     def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
-        """Move one refit's weights through the group (the role decides the direction)."""
+        """Move one refit's weights through the group (the role decides the direction).
+
+        A transfer that fails leaves its buffers to the calls it abandoned (they end by
+        their own timeout): the next transfer packs into fresh ones.
+        """
         with self._lock:
             group, plan = self._joined()
-            return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
+            try:
+                return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
+            except BaseException:
+                self._staging = StagingBuffers()
+                raise
 
     def refit_abort(self, cause: str, group_name: str | None = None) -> None:
         """Abort the current group (only if it is ``group_name``, when given); never blocks,
@@ -265,6 +277,7 @@ class EngineEndpoint(_Endpoint):
         self._committed = 0
         self._loaded: int | None = None
         self._dirty = False
+        self._closed = False
 
     @property
     def engine(self) -> CollectiveEngine:
@@ -291,6 +304,8 @@ class EngineEndpoint(_Endpoint):
             self.engine.reset_prefix_cache()
             self.engine.set_weight_version(version)
             self._committed = version
+            self._closed = False
+            notify(self.engine, "on_refit_commit", version)
             return version
 
     def refit_status(self) -> EngineStatus:
@@ -302,6 +317,7 @@ class EngineEndpoint(_Endpoint):
             self._dirty,
             group is not None and group.connected,
             group.abort_cause if group is not None else None,
+            self._closed,
         )
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
@@ -337,10 +353,18 @@ class EngineEndpoint(_Endpoint):
         self._loaded = None
 
         def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            if not self._closed:
+                notify(engine, "on_refit_begin", version)
+                self._closed = True
             self._dirty = True
             engine.load_weights(items)
 
-        stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+        try:
+            stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+        except BaseException:
+            if self._dirty:
+                notify(engine, "on_refit_abort", version, weights_changed=True)
+            raise
         self._loaded, self._dirty = version, False
         logger.info("%s: loaded version %d in %.3f s", group.spec.label, version, stats.total_s)
         return stats

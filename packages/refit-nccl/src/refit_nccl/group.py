@@ -59,6 +59,9 @@ DISARMED_TIMEOUT_S = 1800.0
 _MIN_WAIT_S = 0.001
 """Work.wait treats a zero timeout as "no timeout"; never pass less than this."""
 
+_ABORT_POLL_S = 0.05
+"""How often a caller blocked in a gloo call checks whether its group was aborted."""
+
 _DEADLINE_SLOP_S = 0.1
 """A call failing this close to its deadline is reported as a timeout (gloo's own timer
 fires a hair before the deadline the timeout was derived from)."""
@@ -129,12 +132,19 @@ class PendingCall:
     """An issued call; :meth:`wait` blocks until it completes or its deadline passes."""
 
     def __init__(
-        self, group: AbortableProcessGroup, what: str, work: CallHandle, deadline: Deadline
+        self,
+        group: AbortableProcessGroup,
+        what: str,
+        work: CallHandle,
+        deadline: Deadline,
+        *,
+        rewaitable: bool,
     ) -> None:
         self._group = group
         self._work: CallHandle | None = work
         self.what = what
         self.deadline = deadline
+        self.rewaitable = rewaitable
 
     def wait(self) -> None:
         """Block until the call completes; idempotent.
@@ -302,7 +312,7 @@ class AbortableProcessGroup:
                 options.timeout = timeout
             return pg.broadcast([tensor], options)
 
-        return self._issue(f"broadcast from {root}", deadline, start)
+        return self._issue(f"broadcast from {root}", deadline, start, rewaitable=True)
 
     def all_reduce(
         self, tensor: torch.Tensor, deadline: Deadline, op: ReduceOpName = "sum"
@@ -318,7 +328,7 @@ class AbortableProcessGroup:
                 options.timeout = timeout
             return pg.allreduce([tensor], options)
 
-        self._issue(f"all_reduce {op}", deadline, start).wait()
+        self._issue(f"all_reduce {op}", deadline, start, rewaitable=True).wait()
 
     def send(self, tensor: torch.Tensor, dst: int, deadline: Deadline, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``."""
@@ -345,7 +355,11 @@ class AbortableProcessGroup:
         what: str,
         deadline: Deadline,
         start: Callable[[Communicator, timedelta], CallHandle],
+        *,
+        rewaitable: bool = False,
     ) -> PendingCall:
+        """Start a call; ``rewaitable``: its ``wait`` may time out and be waited on again
+        (gloo's collectives; a timed-out wait of a gloo send or recv closes the pair)."""
         with self._lock:
             self._raise_if_aborted(what)
             pg = self._pg
@@ -359,17 +373,41 @@ class AbortableProcessGroup:
         except BaseException as exc:
             self._settle()
             raise self._failure(what, exc, deadline) from exc
-        return PendingCall(self, what, work, deadline)
+        return PendingCall(self, what, work, deadline, rewaitable=rewaitable)
 
     def _complete(self, call: PendingCall, work: CallHandle) -> None:
         try:
-            timeout = self._timeout(call.deadline, call.what)
-            with self._guard(call.deadline, call.what):
-                work.wait(max(timeout, timedelta(seconds=_MIN_WAIT_S)))
+            if self._traits.waits_in_slices and call.rewaitable:
+                self._wait_in_slices(call, work)
+            else:
+                timeout = self._timeout(call.deadline, call.what)
+                with self._guard(call.deadline, call.what):
+                    work.wait(max(timeout, timedelta(seconds=_MIN_WAIT_S)))
         except BaseException as exc:
             raise self._failure(call.what, exc, call.deadline) from exc
         finally:
             self._settle()
+
+    def _wait_in_slices(self, call: PendingCall, work: CallHandle) -> None:
+        """Wait for ``work``, leaving it (still running) as soon as the group is aborted.
+
+        Raises:
+            RefitAbortedError: the group was aborted while the call ran.
+        """
+        while True:
+            left = self._timeout(call.deadline, call.what)
+            wait_s = min(left.total_seconds(), _ABORT_POLL_S)
+            try:
+                work.wait(timedelta(seconds=max(wait_s, _MIN_WAIT_S)))
+                return
+            except RuntimeError as exc:
+                if wait_s >= left.total_seconds() or "timed out" not in str(exc).lower():
+                    raise
+            cause = self._abort_cause
+            if cause is not None:
+                raise RefitAbortedError(
+                    f"{self.spec.label}: {call.what} abandoned: the group was aborted ({cause})"
+                )
 
     def _timeout(self, deadline: Deadline, what: str) -> timedelta:
         remaining = deadline.remaining_s()

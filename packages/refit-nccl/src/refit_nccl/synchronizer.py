@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +20,13 @@ from typing import Any
 from refit_core import (
     CollectiveSenderSpec,
     Deadline,
+    EngineHealth,
+    EngineReport,
+    EngineState,
+    EngineStatus,
+    FleetStatus,
     GeometryMismatchError,
+    Recovery,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -56,6 +62,8 @@ class CollectiveOptions:
             their own timeout before naming them wedged.
         settle_s: once the deadline has passed and a participant has failed, how much longer
             the controller waits for the others (they release by the deadline plus ~1 s).
+        status_timeout_s: longest wait for an engine's status (``status()``, ``recover()``
+            and the engine states of a failure); one that does not answer is unreachable.
         group_name: prefix of each group's store keys; a counter makes every group unique.
         communicator_in_child: every participant runs its communicator in a child process
             that is killed at the deadline or on abort (``ChildProcessGroup``, gloo only),
@@ -68,6 +76,7 @@ class CollectiveOptions:
     control_timeout_s: float = 60.0
     grace_s: float = 5.0
     settle_s: float = 1.5
+    status_timeout_s: float = 10.0
     group_name: str = "refit"
     communicator_in_child: bool = False
 
@@ -145,14 +154,17 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 f"the communicator is stale ({reason}); call reconcile_communicator()"
             )
         started = time.monotonic()
-        left = _left(deadline, f"refit to version {version}")
+        what = f"refit to version {version}"
+        left = _left(deadline, what)
         gathered = self._gather_collective(
-            {p: p.call("refit_transfer", version, left) for p in group.members.values()}, deadline
+            {p: p.call("refit_transfer", version, left) for p in group.members.values()},
+            deadline,
+            group,
         )
         moved = time.monotonic()
         if not gathered.ok:
-            self._invalidate(group, f"refit to version {version} failed")
-            raise _failure(f"refit to version {version}", gathered, deadline)
+            self._invalidate(group, f"{what} failed")
+            raise self._failure(what, gathered, deadline, target=version)
         committed = gather(
             {p: p.call("refit_commit", version) for p in group.engines},
             self._control_wait_s(deadline),
@@ -160,7 +172,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not committed.ok:
             if committed.missing:
                 self._invalidate(group, "engines did not answer the commit")
-            raise _failure(f"commit of version {version}", committed, deadline)
+            raise self._failure(f"commit of version {version}", committed, deadline, target=version)
         finished = time.monotonic()
         sender: TransferStats = gathered.results[group.members[0]]
         received: list[TransferStats] = [gathered.results[p] for p in group.engines]
@@ -222,7 +234,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             self._control_wait_s(deadline),
         )
         if not planned.ok:
-            raise _failure("planning the transfer", planned, deadline)
+            raise self._failure("planning the transfer", planned, deadline)
         _require_one_digest(planned)
         name = f"{self._options.group_name}-{next(self._counter)}"
         host, port = self._rendezvous()
@@ -252,10 +264,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             )
             for rank, participant in members.items()
         }
-        gathered = self._gather_collective(calls, deadline)
+        gathered = self._gather_collective(calls, deadline, abort=(name, members.values()))
         if not gathered.ok:
             self._abort_members(name, members.values(), "join failed")
-            raise _failure(f"joining group {name}", gathered, deadline)
+            raise self._failure(f"joining group {name}", gathered, deadline)
         seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
         digest = _require_one_digest(gathered)
         self._group = _Group(name, membership, members, absent, seen, digest)
@@ -268,7 +280,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             {e: e.call("refit_geometry") for e in engines}, self._control_wait_s(deadline)
         )
         if not gathered.ok:
-            raise _failure("asking the engines for their geometry", gathered, deadline)
+            raise self._failure("asking the engines for their geometry", gathered, deadline)
         declared: dict[CollectiveSenderSpec, list[str]] = {}
         for engine, spec in gathered.results.items():
             declared.setdefault(spec, []).append(engine.label)
@@ -286,7 +298,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     def _control(self, participant: Participant, method: str, deadline: Deadline) -> Any:
         gathered = gather({participant: participant.call(method)}, self._control_wait_s(deadline))
         if not gathered.ok:
-            raise _failure(f"{method} on {participant.label}", gathered, deadline)
+            raise self._failure(f"{method} on {participant.label}", gathered, deadline)
         return gathered.results[participant]
 
     def _invalidate(self, group: _Group, cause: str) -> None:
@@ -301,18 +313,108 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             participant.call("refit_abort", cause, name)
 
     def _gather_collective(
-        self, calls: Mapping[Participant, Future[Any]], deadline: Deadline
+        self,
+        calls: Mapping[Participant, Future[Any]],
+        deadline: Deadline,
+        group: _Group | None = None,
+        *,
+        abort: tuple[str, Iterable[Participant]] | None = None,
     ) -> Gathered:
-        """Wait for collective calls: up to deadline + grace, or deadline + settle once one
-        has failed."""
+        """Wait for collective calls, up to deadline + grace. The first failure aborts the
+        group on every member at once (a dead peer ends the refit everywhere, not at the
+        deadline); the rest then get ``settle_s`` to report."""
+        target = abort or ((group.name, group.members.values()) if group else None)
+
+        def abort_everyone(participant: Participant, error: BaseException) -> None:
+            if target is not None:
+                cause = f"{participant.label} failed: {type(error).__name__}"
+                logger.warning("collective call failed on %s; aborting the group", participant)
+                self._abort_members(target[0], target[1], cause)
+
         remaining = deadline.remaining_s()
+        settle = self._options.settle_s
         if remaining is None or deadline.at is None:
-            return gather(calls, DISARMED_TIMEOUT_S + self._options.grace_s)
+            return gather(
+                calls,
+                DISARMED_TIMEOUT_S + self._options.grace_s,
+                settle_s=settle,
+                on_failure=abort_everyone,
+            )
         return gather(
             calls,
             remaining + self._options.grace_s,
-            settle_at=deadline.at + self._options.settle_s,
+            settle_at=deadline.at + settle,
+            settle_s=settle,
+            on_failure=abort_everyone,
         )
+
+    # -- fleet status and failures -----------------------------------------------------
+
+    def _fleet_status(
+        self,
+        deadline: Deadline,
+        *,
+        silent: Collection[Participant] = (),
+        wait_s: float | None = None,
+    ) -> FleetStatus:
+        """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
+        workers = [(i, w) for i, ws in self._shards().items() for w in ws]
+        limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
+        gathered = gather(
+            {w: w.call("refit_status") for _, w in workers if w not in silent},
+            limit if wait_s is None else min(limit, wait_s),
+        )
+        gathered.missing.extend(silent)
+        return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
+
+    def _live_shards(self) -> frozenset[int] | None:
+        group = self._group
+        return None if group is None else frozenset(group.membership.shard_indices)
+
+    def _failure(
+        self, what: str, gathered: Gathered, deadline: Deadline, *, target: int | None = None
+    ) -> RefitError:
+        """One typed error for failed calls: what happened and to whom first, each engine's
+        state after it, what recovers it; the first underlying error chained."""
+        shard_of = {w: i for i, ws in self._shards().items() for w in ws}
+        culprits = _culprits(gathered)
+        first, cause = culprits[0] if culprits else (None, None)
+        headline = f"{what} failed"
+        if first is not None:
+            headline += f" on {first.label}: {_one_line(cause)}"
+        others = len(culprits) - 1
+        if others > 0:
+            headline += f" (and {others} more)"
+        engines: list[EngineReport] = []
+        if target is not None:
+            # Engines that did not answer the refit are not asked again (frozen ones would
+            # hold the error back); the others answer at once.
+            fleet = self._fleet_status(
+                Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
+            )
+            engines = [_engine_report(e, target, self.version) for e in fleet.engines]
+            headline += f"; engines: {_states(engines)}"
+        elif culprits:
+            engines = [
+                EngineReport(shard_of.get(p), p.label, EngineState.UNKNOWN, None, _one_line(e))
+                for p, e in culprits
+                if p in shard_of
+            ]
+        wedged = [p.label for p in gathered.missing]
+        if isinstance(cause, GeometryMismatchError):
+            error: RefitError = GeometryMismatchError(headline, engines=engines)
+        elif (
+            wedged
+            or deadline.expired()
+            or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
+        ):
+            error = RefitTimeoutError(headline, wedged_workers=wedged, engines=engines)
+        else:
+            error = RefitError(
+                headline, recovery=Recovery.RECOVER, wedged_workers=wedged, engines=engines
+            )
+        error.__cause__ = cause
+        return error
 
     def _control_wait_s(self, deadline: Deadline) -> float:
         remaining = deadline.remaining_s()
@@ -337,20 +439,54 @@ def _require_one_digest(gathered: Gathered) -> str:
     return next(iter(by_digest))
 
 
-def _failure(what: str, gathered: Gathered, deadline: Deadline) -> RefitError:
-    """One error for a set of failed calls: geometry first, then timeout, then the rest."""
-    for participant, error in gathered.errors.items():
-        if isinstance(error, GeometryMismatchError):
-            return GeometryMismatchError(f"{what}: {participant.label}: {error}")
-    details = "; ".join(f"{p.label}: {type(e).__name__}: {e}" for p, e in gathered.errors.items())
-    wedged = [p.label for p in gathered.missing]
-    message = f"{what} failed: {details or 'no error reported'}"
-    if wedged:
-        message += f"; no answer by the deadline from {', '.join(wedged)} (wedged or dead)"
-    timed_out = (
-        bool(wedged)
-        or deadline.expired()
-        or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
-    )
-    error_type = RefitTimeoutError if timed_out else RefitError
-    return error_type(message, is_retryable=True, wedged_workers=wedged)
+def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | None]]:
+    """Who failed, the likely root cause first: a participant's own failure (a dead actor,
+    a refused geometry) before the peers that only lost it, then the silent ones."""
+
+    def rank(error: BaseException) -> int:
+        if isinstance(error, RefitAbortedError):
+            return 3
+        if isinstance(error, RefitTimeoutError):
+            return 2
+        return 0 if not isinstance(error, RefitError) else 1
+
+    failed = sorted(gathered.errors.items(), key=lambda item: rank(item[1]))
+    silent: list[tuple[Participant, BaseException | None]] = [(p, None) for p in gathered.missing]
+    return [*failed, *silent]
+
+
+def _one_line(error: BaseException | None) -> str:
+    if error is None:
+        return "no answer (wedged or dead)"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _engine_status(shard: int, worker: Participant, gathered: Gathered) -> EngineStatus:
+    label = worker.label
+    if worker in gathered.missing or worker in gathered.errors:
+        detail = _one_line(gathered.errors.get(worker))
+        return EngineStatus(shard, label, EngineHealth.UNREACHABLE, detail=detail)
+    status = gathered.results[worker]
+    if status.closed:
+        reason = status.abort_cause or "its weights changed since the last commit"
+        return EngineStatus(shard, label, EngineHealth.CLOSED, detail=reason)
+    return EngineStatus(shard, label, EngineHealth.SERVING, status.committed_version)
+
+
+def _engine_report(engine: EngineStatus, target: int, previous: int) -> EngineReport:
+    if engine.health is EngineHealth.UNREACHABLE:
+        return EngineReport(engine.shard, engine.worker, EngineState.UNKNOWN, None, engine.detail)
+    if engine.health is EngineHealth.CLOSED:
+        return EngineReport(engine.shard, engine.worker, EngineState.CLOSED, None, engine.detail)
+    state = EngineState.NEW if engine.version == target else EngineState.OLD
+    if engine.version not in (target, previous):
+        state = EngineState.UNKNOWN
+    return EngineReport(engine.shard, engine.worker, state, engine.version)
+
+
+def _states(engines: Sequence[EngineReport]) -> str:
+    by_state: dict[str, list[str]] = {}
+    for engine in engines:
+        by_state.setdefault(engine.state.value, []).append(engine.worker)
+    return ", ".join(f"{state} {who}" for state, who in by_state.items()) or "none"
