@@ -12,6 +12,7 @@ from refit_core import (
     RefitError,
     RefitResult,
     RefitTimeoutError,
+    StagedRefit,
     SynchronizerClosedError,
     WeightSynchronizer,
 )
@@ -206,3 +207,64 @@ def test_recover_of_a_healthy_fleet_moves_nothing() -> None:
 def test_rows_without_a_fleet_status_say_so() -> None:
     with pytest.raises(NotImplementedError, match="cannot report"):
         RecordingSynchronizer().status()
+
+
+class StagingSynchronizer(FleetSynchronizer):
+    """An in-test row that stages: versions held beside the served ones until a commit."""
+
+    supports_staging = True
+
+    def __init__(self, fleet: dict[int, int | EngineHealth]) -> None:
+        super().__init__(fleet)
+        self.beside: dict[int, int] = {}
+
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        self.calls.append(f"stage:{version}")
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.beside = dict.fromkeys(self.fleet, version)
+        result = RefitResult(version, {}, 0.0, 1, 1)
+        return StagedRefit(version, f"s{version}", result)
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        self.calls.append(f"commit:{staged.version}")
+        self.fleet.update(self.beside)
+        self.beside = {}
+        return staged.result
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        self.calls.append(f"abort:{staged.version}")
+        self.beside = {}
+
+
+def test_two_phases_serve_nothing_new_until_the_commit() -> None:
+    sync = StagingSynchronizer({0: 0, 1: 0})
+    staged = sync.stage_weights()
+    assert staged.version == 1 and sync.staged is staged
+    assert sync.status().serving() == {0: (0, 1)} and sync.version == 0
+    with pytest.raises(RefitError, match="version 1 is staged"):
+        sync.sync_weights()
+    with pytest.raises(RefitError, match="version 1 is staged"):
+        sync.stage_weights()
+    assert sync.commit_weights(staged).version == 1
+    assert sync.version == 1 and sync.status().agreed_version == 1 and sync.staged is None
+    with pytest.raises(RefitError, match="not the pending staging"):
+        sync.commit_weights(staged)
+
+
+def test_an_aborted_staging_changes_nothing_and_frees_the_next_refit() -> None:
+    sync = StagingSynchronizer({0: 0})
+    staged = sync.stage_weights(version=5)
+    sync.abort_weights(staged)
+    assert sync.version == 0 and sync.status().agreed_version == 0 and sync.staged is None
+    assert sync.stage_weights().version == 1
+    sync.fail_with = RefitError("relay refused")
+    sync.abort_weights(sync.staged)  # type: ignore[arg-type]
+    with pytest.raises(RefitError, match="relay refused"):
+        sync.stage_weights()
+    assert sync.staged is None and sync.version == 0
+
+
+def test_a_row_that_cannot_stage_says_so() -> None:
+    with pytest.raises(NotImplementedError, match="RecordingSynchronizer cannot stage"):
+        RecordingSynchronizer().stage_weights()

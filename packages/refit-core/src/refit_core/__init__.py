@@ -26,6 +26,7 @@ from refit_core.errors import (
 from refit_core.factory import create_weight_synchronizer
 from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
 from refit_core.registry import SynchronizerRequest
+from refit_core.staging import StagedRefit
 from refit_core.synchronizer import RecoveryReport, WeightSynchronizer
 from refit_core.types import (
     CollectiveSenderSpec,
@@ -62,6 +63,7 @@ __all__ = [
     "RefitResult",
     "RefitTimeoutError",
     "ShardInfo",
+    "StagedRefit",
     "StaleBaseError",
     "StateDictInfo",
     "SynchronizerClosedError",

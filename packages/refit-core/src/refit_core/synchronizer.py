@@ -8,11 +8,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from refit_core.deadline import Deadline
 from refit_core.errors import RefitError, RefitTimeoutError, SynchronizerClosedError
 from refit_core.fleet import EngineHealth, FleetStatus
+from refit_core.staging import StagedRefit
 from refit_core.types import RefitResult, WeightVersion
 
 __all__ = ["RecoveryReport", "WeightSynchronizer"]
@@ -49,10 +50,14 @@ class WeightSynchronizer(ABC):
     re-entrant: calls are serialized by an internal lock.
     """
 
+    supports_staging: ClassVar[bool] = False
+    """Whether the row implements the two phases (:meth:`stage_weights`, :meth:`commit_weights`)."""
+
     def __init__(self, *, refit_timeout_s: float | None = None) -> None:
         Deadline.after(refit_timeout_s)  # validates the value
         self.refit_timeout_s = refit_timeout_s
         self._version = WeightVersion(0)
+        self._staged: StagedRefit | None = None
         self._initialized = False
         self._closed = False
         self._lock = threading.RLock()
@@ -89,6 +94,7 @@ class WeightSynchronizer(ABC):
         """
         with self._lock:
             self._require_open()
+            self._require_nothing_staged()
             target = self._version.next() if version is None else WeightVersion(version)
             self._version.require_advance_to(target)
             self.init_communicator()
@@ -113,6 +119,81 @@ class WeightSynchronizer(ABC):
                 result.dense_bytes,
             )
             return result
+
+    def stage_weights(self, version: int | None = None) -> StagedRefit:
+        """Move and verify ``version`` (default: the current version + 1) on every engine,
+        beside the version it serves, without changing what any engine serves.
+
+        Nothing is committed anywhere unless every engine staged it; a failure here leaves
+        every engine serving the old version, never paused.
+
+        Raises:
+            NotImplementedError: the row cannot stage (``supports_staging`` is False).
+            ValueError: ``version`` does not increase.
+            RefitError: a refit is already staged, or staging failed (nothing changed).
+        """
+        with self._lock:
+            self._require_open()
+            self._require_staging()
+            self._require_nothing_staged()
+            target = self._version.next() if version is None else WeightVersion(version)
+            self._version.require_advance_to(target)
+            self.init_communicator()
+            deadline = self._deadline()
+            logger.info("%s: staging version %d", type(self).__name__, target.value)
+            staged = self._run_hook(
+                f"staging version {target.value}",
+                lambda: self._stage_weights(target.value, deadline),
+            )
+            if staged.version != target.value:
+                raise RefitError(f"backend staged version {staged.version}, not {target.value}")
+            self._staged = staged
+            return staged
+
+    def commit_weights(self, staged: StagedRefit) -> RefitResult:
+        """Serve ``staged`` on every engine: each pauses at its next step boundary (requests
+        in flight are kept), applies the staged bytes, drops its prefix cache, sets the
+        version and resumes.
+
+        The point of no return: an engine that fails or dies here is closed (it generates
+        nothing) and named in the error, while the others serve the new version; the
+        synchronizer's version moves to ``staged.version`` either way, and the next refit
+        (or :meth:`recover`) resyncs or drops the failed engines.
+
+        Raises:
+            RefitError: ``staged`` is not the pending staging, or an engine failed to commit.
+        """
+        with self._lock:
+            self._require_open()
+            self._require_pending(staged)
+            self._staged = None
+            self._version = WeightVersion(staged.version)
+            deadline = self._deadline()
+            return self._run_hook(
+                f"commit of version {staged.version}",
+                lambda: self._commit_staged(staged, deadline),
+            )
+
+    def abort_weights(self, staged: StagedRefit) -> None:
+        """Drop ``staged`` on every engine; what they serve does not change.
+
+        Raises:
+            RefitError: ``staged`` is not the pending staging.
+        """
+        with self._lock:
+            self._require_open()
+            self._require_pending(staged)
+            self._staged = None
+            deadline = self._deadline()
+            self._run_hook(
+                f"abort of staged version {staged.version}",
+                lambda: self._abort_staged(staged, deadline),
+            )
+
+    @property
+    def staged(self) -> StagedRefit | None:
+        """The staged refit awaiting its commit or abort, if any."""
+        return self._staged
 
     def status(self) -> FleetStatus:
         """Every engine as it reports itself: health, the version it serves, anything staged.
@@ -225,6 +306,18 @@ class WeightSynchronizer(ABC):
                 f"{type(self).__name__} has no membership to reconcile (absent {sorted(absent_shards)})"
             )
 
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        """Move and verify ``version`` beside what every engine serves (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        """Switch every engine to ``staged`` (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        """Drop ``staged`` everywhere (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
     def _fleet_status(self, deadline: Deadline) -> FleetStatus:
         """Ask every engine of the fleet (absent shards included) how it is."""
         raise NotImplementedError(f"{type(self).__name__} cannot report its fleet's status")
@@ -272,6 +365,27 @@ class WeightSynchronizer(ABC):
         if newest is not None and newest > self._version.value:
             logger.info("%s: the fleet serves version %d; adopting it", type(self).__name__, newest)
             self._version = WeightVersion(newest)
+
+    def _require_staging(self) -> None:
+        if not self.supports_staging:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot stage a refit (no two-phase refit on this "
+                "row); use sync_weights()"
+            )
+
+    def _require_nothing_staged(self) -> None:
+        if self._staged is not None:
+            raise RefitError(
+                f"version {self._staged.version} is staged; commit_weights() or "
+                "abort_weights() it first"
+            )
+
+    def _require_pending(self, staged: StagedRefit) -> None:
+        if self._staged is None or self._staged.staging_id != staged.staging_id:
+            pending = "none" if self._staged is None else f"version {self._staged.version}"
+            raise RefitError(
+                f"staged version {staged.version} is not the pending staging ({pending})"
+            )
 
     def _require_open(self) -> None:
         if self._closed:
