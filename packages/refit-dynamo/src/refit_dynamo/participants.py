@@ -18,7 +18,7 @@ from refit_core import CollectiveSenderSpec, GeometryMismatchError
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
-from refit_nccl import JoinRequest, Participant, TransferPlan, TransferStats
+from refit_nccl import DeviceReport, JoinRequest, Participant, TransferPlan, TransferStats
 from refit_nccl.endpoint import StateItems
 from refit_nccl.futures import dispatch, done, in_thread, then
 
@@ -32,9 +32,11 @@ _THREAD = "refit-dynamo"
 class DynamoRankParticipant(Participant):
     """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``.
 
-    Serves the engine calls of refit-nccl's synchronizer (``refit_geometry``, ``refit_plan``,
-    ``refit_join``, ``refit_transfer``, ``refit_commit``, ``refit_abort``) through the
-    worker's admin routes. The commit flushes the worker's cache (pause with ``clear_cache``,
+    Serves the engine calls of refit-nccl's synchronizer (``refit_device``, ``refit_geometry``,
+    ``refit_plan``, ``refit_join``, ``refit_transfer``, ``refit_commit``, ``refit_abort``)
+    through the worker's admin routes. Its device is the channel's (``device``): on CUDA the
+    worker's vLLM receives over vLLM's own NCCL data plane, and the init and update info are
+    built with the trainer's vLLM dataclasses (:mod:`refit_nccl.vllm_native.payloads`). The commit flushes the worker's cache (pause with ``clear_cache``,
     then resume). An abort can only be logged: refit cannot abort the communicator inside a
     Dynamo worker.
     """
@@ -65,6 +67,7 @@ class DynamoRankParticipant(Participant):
     def call(self, method: str, *args: Any) -> Future[Any]:
         """Start ``method(*args)``; never blocks."""
         handlers: dict[str, Callable[..., Future[Any]]] = {
+            "refit_device": lambda: done(DeviceReport.only(self._channel.device)),
             "refit_geometry": lambda: done(self._channel.sender_spec),
             "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
             "refit_join": self._join,
@@ -86,9 +89,16 @@ class DynamoRankParticipant(Participant):
         plan = self._plan = self._plan_for(request.state, request.geometry)
         if not self.drives:
             return done(plan.digest)
-        self._channel.prepare(dict(request.state))
         group = request.group
-        payload = init_payload(group.host, group.port, group.rank, group.world_size)
+        vllm_nccl = group.backend == "nccl"
+        self._channel.prepare(dict(request.state), vllm_nccl=vllm_nccl)
+        payload = init_payload(
+            group.host,
+            group.port,
+            group.rank,
+            group.world_size,
+            vllm_nccl=self._channel.sender_spec if vllm_nccl else None,
+        )
         self._in_flight = in_thread(join_worker, self._channel, self._index, payload, name=_THREAD)
         return then(self._in_flight, lambda _: plan.digest)
 
