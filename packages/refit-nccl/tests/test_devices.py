@@ -37,7 +37,7 @@ from refit_nccl import (
     VllmPeerTrainer,
     choose_backend,
 )
-from refit_nccl.devices import local_device
+from refit_nccl.devices import DeviceType, local_device
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.vllm_native.engine import VllmNativeGeneration
 
@@ -144,8 +144,8 @@ def test_a_mixed_report_fails_every_member_before_a_communicator_exists() -> Non
 # -- the synchronizer asks the members ---------------------------------------------------
 
 
-def _engine(seed: int, device: str | None = None) -> EngineEndpoint:
-    return EngineEndpoint(lambda: ReferenceEngine(CONFIG, seed=seed), GEOMETRY, device=device)  # type: ignore[arg-type]
+def _engine(seed: int, device: DeviceType | None = None) -> EngineEndpoint:
+    return EngineEndpoint(lambda: ReferenceEngine(CONFIG, seed=seed), GEOMETRY, device=device)
 
 
 def _synchronizer(

@@ -32,7 +32,9 @@ def vllm_nccl_missing() -> str:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            return f"vLLM's NCCL data plane is built with vLLM's own code and {name} does not import: {exc}"
+            return (
+                f"vLLM's NCCL data plane is built with vLLM's code; {name} does not import: {exc}"
+            )
     return ""
 
 

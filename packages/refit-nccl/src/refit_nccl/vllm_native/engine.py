@@ -52,7 +52,8 @@ _THREAD = "refit-vllm-native"
 
 @runtime_checkable
 class WeightSyncClient(Protocol):
-    """vLLM's weight-sync surface (``vllm.distributed.weight_transfer.base.VLLMWeightSyncClient``)."""
+    """vLLM's weight-sync surface (``VLLMWeightSyncClient`` in
+    ``vllm/distributed/weight_transfer/base.py``)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
