@@ -1,25 +1,94 @@
-"""NCCL variants of the group tests (run where at least two CUDA GPUs exist)."""
+"""NCCL variants of the group tests.
+
+On one GPU: the communicator is created eagerly on its device while the group connects, a
+world of one connects, broadcasts, aborts and refuses calls after, and an init that a peer
+never completes is ended by the deadline through torch's communicator abort. On two GPUs
+(``two_gpus``): the packed broadcast bitwise, and a receiver killed or frozen mid-transfer
+releasing the survivor by the deadline + 1 s.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+from datetime import timedelta
+
 import pytest
+import torch
 
 from nccl_workers import MiB, Report, by_event, launch
+from refit_core import Deadline, RefitAbortedError, RefitTimeoutError
 from refit_lab.faults import ProcessGang
 from refit_lab.ray_cluster import free_port
+from refit_nccl.backends import traits_of
+from refit_nccl.group import AbortableProcessGroup, GroupSpec
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _two_gpus() -> None:
-    import torch
-
+@pytest.fixture
+def two_gpus() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL group tests need two CUDA GPUs")
 
 
+@pytest.mark.timeout(60)
+def test_the_communicator_exists_once_connected_before_any_collective() -> None:
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
+    traits = traits_of("nccl")
+    pg = traits.construct(
+        PrefixStore("eager", store), 0, 1, timedelta(seconds=30), "127.0.0.1", device
+    )
+    traits.connect(pg, device, timedelta(seconds=30))
+    assert pg.bound_device_id == device  # type: ignore[attr-defined]
+    assert pg._comm_ptr() != 0  # type: ignore[attr-defined]  # no collective has run yet
+    pg.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_single_gpu_group_connects_broadcasts_aborts_and_refuses_calls_after() -> None:
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1, "nccl", "one-gpu"))
+    group.connect(Deadline.after(30))
+    assert group.device.type == "cuda" and group.backend == "nccl"
+    data = torch.arange(1 << 20, device=group.device, dtype=torch.float32)
+    group.broadcast(data, 0, Deadline.after(10))
+    group.all_reduce(data, Deadline.after(10), op="max")
+    assert torch.equal(data, torch.arange(1 << 20, device=group.device, dtype=torch.float32))
+    group.abort("done")
+    group.abort("again")
+    with pytest.raises(RefitAbortedError, match="done"):
+        group.broadcast(data, 0, Deadline.after(10))
+
+
+@pytest.mark.timeout(60)
+def test_an_init_a_peer_never_completes_ends_by_the_deadline() -> None:
+    """The peer joins the store but never creates its communicator: rank 0's eager,
+    non-blocking NCCL init waits for it until the watchdog aborts it at the deadline."""
+    from torch._C._distributed_c10d import TCPStore
+
+    port = free_port()
+    peer: list[TCPStore] = []
+    joiner = threading.Thread(
+        target=lambda: peer.append(
+            TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+        )
+    )
+    joiner.start()
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", port, 0, 2, "nccl", "half"))
+    deadline_s = 3.0
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError):
+        group.connect(Deadline.after(deadline_s))
+    assert time.monotonic() - started <= deadline_s + 1.0
+    assert group.aborted
+    joiner.join(30)
+
+
 @pytest.mark.timeout(180)
+@pytest.mark.usefixtures("two_gpus")
 def test_nccl_packed_broadcast_is_bitwise() -> None:
     params: Report = {
         "peer": "refit",
@@ -38,6 +107,7 @@ def test_nccl_packed_broadcast_is_bitwise() -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("two_gpus")
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 def test_nccl_abort_releases_the_survivor_and_retry_is_bitwise(signal_name: str) -> None:
     params: Report = {

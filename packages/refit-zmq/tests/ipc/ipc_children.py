@@ -2,39 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from multiprocessing.queues import Queue
 from typing import Any
 
-import torch
-
+from refit_lab.cuda_engine import CudaEngine
 from refit_lab.digest import state_digest
 from refit_zmq.ipc import IpcReceiver
-
-
-class CudaEngine:
-    """An engine whose weights live on the GPU, loaded straight from the CUDA IPC buffers."""
-
-    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
-        self.specs = dict(specs)
-        self.weights = {
-            name: torch.zeros(shape, dtype=getattr(torch, dtype), device="cuda")
-            for name, (shape, dtype) in specs.items()
-        }
-        self.version = 0
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            self.weights[name].copy_(tensor)
-
-    def set_weight_version(self, version: int) -> None:
-        self.version = version
-
-    def reset_prefix_cache(self) -> None:
-        pass
-
-    def checkpoint_tensor_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        return self.specs
 
 
 def serve_cuda_engine(
