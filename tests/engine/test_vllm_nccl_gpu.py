@@ -7,7 +7,7 @@
   ``RefitTimeoutError`` by the deadline + 1 s (``ncclCommAbort``), the group refusing calls
   after it.
 * an unmodified ``vllm.LLM`` started with ``weight_transfer_config={"backend": "nccl"}`` on
-  GPU 1 is refitted A -> B through ``create_weight_synchronizer`` and
+  GPU 1 (or TP 2 on GPUs 1 and 2) is refitted A -> B through ``create_weight_synchronizer`` and
   ``VllmNativeGeneration([LLMWeightSyncClient(llm)])`` from a trainer on GPU 0, and then
   generates the greedy tokens of a fresh engine started on B.
 
@@ -147,25 +147,29 @@ def test_vllms_worker_code_receives_bitwise_and_a_lost_peer_ends_by_the_deadline
         receiver.join(10)
 
 
-@pytest.fixture
-def engine_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer keeps GPU 0 (CUDA is initialized here first); engines started afterwards
-    see only GPU 1."""
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def engine_gpus(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The engine's tensor-parallel size; the trainer keeps GPU 0 (CUDA is initialized here
+    first) and engines started afterwards see only GPUs 1 .. tp."""
+    tp: int = request.param
+    if torch.cuda.device_count() < 1 + tp:
+        pytest.skip(f"a trainer GPU and {tp} engine GPUs are needed")
     torch.cuda.set_device(0)
     torch.zeros(1, device="cuda:0")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(1, 1 + tp)))
+    return tp
 
 
 @pytest.mark.timeout(900)
 def test_an_unmodified_vllm_engine_on_its_nccl_backend_is_refitted(
-    engine_gpu: None, tmp_path: Path
+    engine_gpus: int, tmp_path: Path
 ) -> None:
     from engine_helpers import generate, make_checkpoints, start_engine
 
     from refit_nccl import LLMWeightSyncClient, VllmNativeGeneration
 
     checkpoints = make_checkpoints(tmp_path)
-    settings = {"gpu_memory_utilization": 0.3}
+    settings = {"gpu_memory_utilization": 0.3, "tensor_parallel_size": engine_gpus}
     fresh = start_engine(checkpoints.paths["B"], settings)
     expected = [tokens for tokens, _ in generate(fresh)]
     del fresh
@@ -176,7 +180,7 @@ def test_an_unmodified_vllm_engine_on_its_nccl_backend_is_refitted(
     state = {n: t.cuda(0) for n, t in checkpoints.tensors["B"].items()}
     sync = create_weight_synchronizer(
         _Policy(state),
-        VllmNativeGeneration([LLMWeightSyncClient(llm)]),
+        VllmNativeGeneration([LLMWeightSyncClient(llm)], engine_world_size=engine_gpus),
         "vllm",
         False,
         train_cluster=LocalCluster(1),

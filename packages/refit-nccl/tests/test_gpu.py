@@ -3,8 +3,9 @@
 On one GPU: the communicator is created eagerly on its device while the group connects, a
 world of one connects, broadcasts, aborts and refuses calls after, and an init that a peer
 never completes is ended by the deadline through torch's communicator abort. On two GPUs
-(``two_gpus``): the packed broadcast bitwise, and a receiver killed or frozen mid-transfer
-releasing the survivor by the deadline + 1 s.
+(``two_gpus``): the packed broadcast bitwise (also over NCCL's network transport, as between
+two nodes), and a receiver killed or frozen mid-transfer releasing the survivor by the
+deadline + 1 s.
 """
 
 from __future__ import annotations
@@ -98,6 +99,32 @@ def test_nccl_packed_broadcast_is_bitwise() -> None:
         "filler_bytes": 8 * MiB,
         "backend": "nccl",
         "ports": [free_port()],
+    }
+    with ProcessGang() as gang:
+        launch(gang, range(2), 2, [("broadcast", params)])
+        reports = gang.collect(2, timeout_s=150)
+    for rank, report in by_event(reports, "broadcast", "broadcast").items():
+        assert report["wrong"] == [], f"rank {rank}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("two_gpus")
+def test_nccl_packed_broadcast_over_the_network_transport_is_bitwise() -> None:
+    """Each rank claims a host of its own (``NCCL_HOSTID``) and peer-to-peer and shared memory
+    are off, so NCCL moves the buckets over its network transport, as between two nodes."""
+    params: Report = {
+        "peer": "refit",
+        "bucket_bytes": MiB,
+        "num_buffers": 2,
+        "seed": 3,
+        "filler_bytes": 8 * MiB,
+        "backend": "nccl",
+        "ports": [free_port()],
+        "nccl_env": {
+            "NCCL_HOSTID": "refit-test-host-{rank}",
+            "NCCL_P2P_DISABLE": "1",
+            "NCCL_SHM_DISABLE": "1",
+        },
     }
     with ProcessGang() as gang:
         launch(gang, range(2), 2, [("broadcast", params)])
