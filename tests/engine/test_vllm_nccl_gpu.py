@@ -28,8 +28,6 @@ import torch
 
 from refit_core import (
     CollectiveSenderSpec,
-    RefitAbortedError,
-    RefitTimeoutError,
     create_weight_synchronizer,
 )
 from refit_core.sources import StateDictSource
@@ -106,7 +104,11 @@ def test_vllms_worker_code_receives_bitwise_and_a_lost_peer_ends_by_the_deadline
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vllm_peer_ranks import BUFFER_BYTES, peer_state
+    from vllm_peer_ranks import (
+        BUFFER_BYTES,
+        check_a_transfer_nobody_joins_ends_by_the_deadline,
+        peer_state,
+    )
 
     torch.cuda.set_device(0)
     state = {n: t.cuda(0) for n, t in peer_state(SEED).items()}
@@ -133,12 +135,7 @@ def test_vllms_worker_code_receives_bitwise_and_a_lost_peer_ends_by_the_deadline
 
         if fault != "idle":
             os.kill(receiver.pid or 0, getattr(signal, fault))
-        started = time.monotonic()
-        with pytest.raises(RefitTimeoutError):
-            trainer.refit_transfer(2, DEADLINE_S)
-        assert time.monotonic() - started <= DEADLINE_S + 1.0
-        with pytest.raises(RefitAbortedError):
-            trainer.refit_transfer(3, 5.0)
+        check_a_transfer_nobody_joins_ends_by_the_deadline(trainer, DEADLINE_S)
     finally:
         trainer.refit_abort("test done")
         if receiver.pid is not None and fault == "SIGSTOP":

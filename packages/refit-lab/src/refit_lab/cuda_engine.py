@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from multiprocessing.queues import Queue
+from typing import Any
 
 import torch
 
-__all__ = ["CudaEngine"]
+from refit_lab.digest import state_digest
+
+__all__ = ["CudaEngine", "serve_cuda_engine"]
 
 
 class CudaEngine:
@@ -38,3 +42,24 @@ class CudaEngine:
     def checkpoint_tensor_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Name -> (shape, dtype name) of every weight."""
         return self.specs
+
+
+def serve_cuda_engine(
+    address: str,
+    specs: dict[str, tuple[tuple[int, ...], str]],
+    refits: int,
+    out: Queue[Any],
+    timeout_s: float = 120.0,
+) -> None:
+    """Child process: serve ``refits`` colocated IPC refits (refit-zmq's receiver) into a
+    :class:`CudaEngine`, then put its version and digests on ``out``."""
+    from refit_zmq.ipc import IpcReceiver
+
+    engine = CudaEngine(specs)
+    receiver = IpcReceiver(engine, bind_address=address)
+    try:
+        for _ in range(refits):
+            receiver.serve_refit(timeout_s=timeout_s)
+    finally:
+        receiver.close()
+    out.put((engine.version, state_digest(engine.weights.items())))

@@ -20,21 +20,16 @@ side is aborted and the engines that did not answer are named as possibly wedged
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, StateDictInfo
+from refit_core import CollectiveSenderSpec, GeometryMismatchError
 from refit_core.participants import LocalParticipant, Participant
 from refit_core.protocols import PolicyLike
-from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport
-from refit_nccl.endpoint import JoinRequest, StateItems
-from refit_nccl.futures import dispatch, done, in_thread, then
+from refit_nccl.driven import DrivenRankParticipant
+from refit_nccl.endpoint import JoinRequest
 from refit_nccl.geometry import VLLM_DOCUMENTED_GEOMETRY, require_vllm_defaults
-from refit_nccl.plan import TransferPlan
 from refit_nccl.vllm_native.payloads import nccl_init_info, nccl_update_info
 from refit_nccl.vllm_peer import VllmPeerTrainer
 
@@ -44,10 +39,6 @@ __all__ = [
     "VllmNativeParticipant",
     "WeightSyncClient",
 ]
-
-logger = logging.getLogger(__name__)
-
-_THREAD = "refit-vllm-native"
 
 
 @runtime_checkable
@@ -93,7 +84,7 @@ def vllm_geometry() -> CollectiveSenderSpec:
     return require_vllm_defaults(VLLM_DOCUMENTED_GEOMETRY)
 
 
-class VllmNativeParticipant(Participant):
+class VllmNativeParticipant(DrivenRankParticipant):
     """Engine rank ``local_rank`` of the vLLM engine behind ``client``.
 
     Args:
@@ -103,6 +94,8 @@ class VllmNativeParticipant(Participant):
         geometry: vLLM's packing geometry (told to the engine in its init info).
     """
 
+    engines = "a vLLM engine"
+
     def __init__(
         self,
         client: WeightSyncClient,
@@ -110,104 +103,41 @@ class VllmNativeParticipant(Participant):
         local_rank: int,
         geometry: CollectiveSenderSpec,
     ) -> None:
-        super().__init__(label if local_rank == 0 else f"{label}/rank{local_rank}")
+        super().__init__(label, local_rank, geometry)
         self._client = client
-        self._local_rank = local_rank
-        self._geometry = geometry
-        self._plan: TransferPlan | None = None
         self._update_info: dict[str, Any] | None = None
-        self._in_flight: Future[Any] | None = None
 
-    @property
-    def key(self) -> Hashable:
-        """The engine's client and the rank within it."""
-        return (id(self._client), self._local_rank)
+    def _engine_key(self) -> Hashable:
+        return id(self._client)
 
-    @property
-    def drives(self) -> bool:
-        """Whether this rank makes the engine's calls (local rank 0)."""
-        return self._local_rank == 0
+    def _device_report(self) -> DeviceReport:
+        # vLLM's NCCL receiver moves CUDA tensors over NCCL and nothing else.
+        return DeviceReport.only("cuda")
 
-    def close(self) -> None:
-        """Nothing to release: the client belongs to whoever made it."""
-
-    def call(self, method: str, *args: Any) -> Future[Any]:
-        """Start ``method(*args)``; never blocks."""
-        handlers: dict[str, Callable[..., Future[Any]]] = {
-            # vLLM's NCCL receiver moves CUDA tensors over NCCL and nothing else.
-            "refit_device": lambda: done(DeviceReport.only("cuda")),
-            "refit_geometry": lambda: done(self._geometry),
-            "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
-            "refit_join": self._join,
-            "refit_transfer": self._transfer,
-            "refit_commit": self._commit,
-            "refit_abort": self._abort,
-        }
-        return dispatch(handlers, method, args, "a vLLM engine")
-
-    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
-        if geometry != self._geometry:
-            raise GeometryMismatchError(
-                f"{self.label}: vLLM receives with {self._geometry}, the plan uses {geometry}"
-            )
-        return TransferPlan.build(dict(state), geometry)
-
-    def _join(self, request: JoinRequest) -> Future[str]:
-        plan = self._plan = self._plan_for(request.state, request.geometry)
-        if not self.drives:
-            return done(plan.digest)
+    def _join_engine(self, request: JoinRequest) -> None:
         group = request.group
         if group.backend != "nccl":
             raise GeometryMismatchError(
                 f"{self.label}: vLLM's NCCL receiver joins an nccl group, not {group.backend}"
             )
-        state: StateDictInfo = dict(request.state)
-        self._update_info = nccl_update_info(state, self._geometry)
-        init_info = nccl_init_info(
-            group.host, group.port, group.rank, group.world_size, self._geometry
+        self._update_info = nccl_update_info(dict(request.state), self._geometry)
+        self._client.init_weight_transfer_engine(
+            nccl_init_info(group.host, group.port, group.rank, group.world_size, self._geometry)
         )
-        self._in_flight = in_thread(
-            self._client.init_weight_transfer_engine, init_info, name=_THREAD
-        )
-        return then(self._in_flight, lambda _: plan.digest)
 
-    def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
-        plan, info = self._plan, self._update_info
-        if plan is None:
-            raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
-        started = time.monotonic()
-        sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
-        if not self.drives:
-            return done(TransferStats.since(started, *sizes))
-        self._in_flight = in_thread(self._update, info, version, name=_THREAD)
-        return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
-
-    def _update(self, info: dict[str, Any] | None, version: int) -> None:
+    def _update_engine(self, version: int) -> None:
         """start, update (the engine receives the broadcast), finish: a failed step stops
         the update before the finish, so vLLM never finalizes a partial load."""
-        if info is None:
+        if self._update_info is None:
             raise RuntimeError(f"{self.label}: no update info; join first")
         self._client.start_weight_update()
-        self._client.update_weights(info)
+        self._client.update_weights(self._update_info)
         self._client.finish_weight_update(str(version))
 
-    def _commit(self, version: int) -> Future[int]:
+    def _commit_engine(self, version: int) -> None:
         reset = getattr(self._client, "reset_prefix_cache", None)
-        if not self.drives or reset is None:
-            return done(version)
-        return then(in_thread(reset, name=_THREAD), lambda _: version)
-
-    def _abort(self, cause: str, *_: object) -> Future[None]:
-        in_flight = self._in_flight
-        if in_flight is not None and not in_flight.done():
-            logger.warning(
-                "%s: its join or update is still running and refit cannot abort the "
-                "communicator inside a vLLM engine (%s); the engine may stay wedged until "
-                "its weight transfer is re-initialized or it is restarted",
-                self.label,
-                cause,
-            )
-        return done(None)
+        if reset is not None:
+            reset()
 
 
 class VllmNativeGeneration:

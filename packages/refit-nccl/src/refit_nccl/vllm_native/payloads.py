@@ -18,6 +18,17 @@ from refit_nccl.vllm_native.availability import require_vllm_nccl
 __all__ = ["nccl_init_info", "nccl_update_info"]
 
 
+def _packing_fields(info_class: type, geometry: CollectiveSenderSpec) -> dict[str, Any]:
+    """The packing geometry, as the fields ``info_class`` (a vLLM dataclass) has of it."""
+    fields = {f.name for f in dataclasses.fields(info_class)}
+    packing = {
+        "packed": True,
+        "packed_buffer_size_bytes": geometry.buffer_size_bytes,
+        "packed_num_buffers": geometry.num_buffers,
+    }
+    return {key: value for key, value in packing.items() if key in fields}
+
+
 def nccl_init_info(
     master_address: str,
     master_port: int,
@@ -40,18 +51,12 @@ def nccl_init_info(
 
     if geometry.peer != "vllm":
         raise ValueError(f"vLLM's receiver unpacks by vLLM's rule, not {geometry.peer!r}'s")
-    fields = {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
-    packing = {
-        "packed": True,
-        "packed_buffer_size_bytes": geometry.buffer_size_bytes,
-        "packed_num_buffers": geometry.num_buffers,
-    }
     info = NCCLWeightTransferInitInfo(
         master_address=master_address,
         master_port=master_port,
         rank_offset=rank_offset,
         world_size=world_size,
-        **{k: v for k, v in packing.items() if k in fields},
+        **_packing_fields(NCCLWeightTransferInitInfo, geometry),
     )
     payload: dict[str, Any] = worker_init_payload(info)
     return payload
@@ -70,16 +75,10 @@ def nccl_update_info(state: StateDictInfo, geometry: CollectiveSenderSpec) -> di
 
     if not state:
         raise ValueError("state_dict_info is empty")
-    fields = {f.name for f in dataclasses.fields(NCCLWeightTransferUpdateInfo)}
-    packing = {
-        "packed": True,
-        "packed_buffer_size_bytes": geometry.buffer_size_bytes,
-        "packed_num_buffers": geometry.num_buffers,
-    }
     info = NCCLWeightTransferUpdateInfo(
         names=list(state),
         dtype_names=[spec.dtype for spec in state.values()],
         shapes=[list(spec.shape) for spec in state.values()],
-        **{k: v for k, v in packing.items() if k in fields},
+        **_packing_fields(NCCLWeightTransferUpdateInfo, geometry),
     )
     return dataclasses.asdict(info)

@@ -20,12 +20,13 @@ from refit_lab.device_check.timing import GiB, cuda_gbps
 from refit_lab.ray_cluster import free_port
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 
-__all__ = ["DEADLINE_S", "run"]
+__all__ = ["DEADLINE_S", "absent_peer", "run", "single_rank_group"]
 
 DEADLINE_S = 3.0
 
 
-def _one_rank() -> dict[str, Any]:
+def single_rank_group() -> dict[str, Any]:
+    """A world of one: connect, broadcast and all-reduce 1 GiB, abort, a call after it."""
     group = AbortableProcessGroup(GroupSpec("127.0.0.1", free_port(), 0, 1, "nccl", "check"))
     started = time.perf_counter()
     group.connect(Deadline.after(30))
@@ -51,7 +52,9 @@ def _one_rank() -> dict[str, Any]:
     }
 
 
-def _absent_peer() -> dict[str, Any]:
+def absent_peer() -> dict[str, Any]:
+    """A world of two whose second member never creates its communicator: how the first
+    member's connect ends, and how long after its deadline."""
     from torch._C._distributed_c10d import TCPStore
 
     port = free_port()
@@ -79,7 +82,7 @@ def _absent_peer() -> dict[str, Any]:
 
 def run() -> dict[str, Any]:
     """Both checks; ``ok`` when every expectation held."""
-    result = {**_one_rank(), **_absent_peer()}
+    result = {**single_rank_group(), **absent_peer()}
     result["ok"] = (
         result["all_reduce_correct"]
         and result["call_after_abort"] == "RefitAbortedError"

@@ -11,19 +11,17 @@ weights are compared bit for bit with the trainer's.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
-import time
 import uuid
 from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
 
-from refit_core.sources import StateDictSource
-from refit_lab.cuda_engine import CudaEngine
-from refit_lab.device_check.timing import cuda_gbps
+from refit_lab.cuda_engine import serve_cuda_engine
+from refit_lab.device_check.timing import interleaved_with_device_copy
 from refit_lab.digest import state_digest
+from refit_lab.trainer import StaticPolicy
 
 __all__ = ["ROUNDS", "TENSORS", "TENSOR_SHAPE", "run"]
 
@@ -32,30 +30,6 @@ TENSOR_SHAPE = (4096, 8192)
 """64 MiB of bf16 each: 4 GiB in all."""
 ROUNDS = 3
 _TIMEOUT_S = 60.0
-
-
-class _Policy:
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def weight_source(self) -> StateDictSource:
-        return StateDictSource(self.state)
-
-
-def _serve(
-    address: str, specs: dict[str, tuple[tuple[int, ...], str]], refits: int, out: Queue[Any]
-) -> None:
-    """Child: an engine on the GPU serving ``refits`` refits; its final digests."""
-    from refit_zmq.ipc import IpcReceiver
-
-    engine = CudaEngine(specs)
-    receiver = IpcReceiver(engine, bind_address=address)
-    try:
-        for _ in range(refits):
-            receiver.serve_refit(timeout_s=_TIMEOUT_S)
-    finally:
-        receiver.close()
-    out.put(state_digest(engine.weights.items()))
 
 
 def run() -> dict[str, Any]:
@@ -72,48 +46,40 @@ def run() -> dict[str, Any]:
         for i in range(TENSORS)
     }
     total = sum(t.numel() * t.element_size() for t in state.values())
-    flat_source = torch.empty(total, dtype=torch.uint8, device="cuda")
-    flat_target = torch.empty_like(flat_source)
     specs = {name: (tuple(t.shape), "bfloat16") for name, t in state.items()}
     address = (
         f"ipc://{tempfile.gettempdir()}/refit-device-check-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     )
     context = mp.get_context("spawn")
     results: Queue[Any] = context.Queue()
-    child = context.Process(target=_serve, args=(address, specs, ROUNDS + 1, results))
+    child = context.Process(
+        target=serve_cuda_engine, args=(address, specs, ROUNDS + 1, results, _TIMEOUT_S)
+    )
     child.start()
-    copy_rates: list[float] = []
-    refit_rates: list[float] = []
     try:
         with IpcWeightSynchronizer(
-            _Policy(state),
+            StaticPolicy(state),
             lambda: [address],
             refit_timeout_s=_TIMEOUT_S,
             options=IpcOptions(device="cuda"),
         ) as synchronizer:
             synchronizer.sync_weights()  # warm-up: buffers allocated, handles opened
-            for _ in range(ROUNDS):
-                for tensor in state.values():
-                    tensor.neg_()
-                copy_rates.append(cuda_gbps(lambda: flat_target.copy_(flat_source), total))
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                synchronizer.sync_weights()
-                refit_rates.append(total / (time.perf_counter() - started) / 1e9)
-        digests = results.get(timeout=_TIMEOUT_S)
+            measured = interleaved_with_device_copy(
+                synchronizer.sync_weights, total, ROUNDS, lambda: [t.neg_() for t in state.values()]
+            )
+        _, digests = results.get(timeout=_TIMEOUT_S)
     finally:
         child.join(30)
         if child.is_alive():
             child.kill()
     exact = digests == state_digest(state.items())
-    ratio = statistics.median(r / c for r, c in zip(refit_rates, copy_rates, strict=True))
     return {
         "ok": exact,
         "state_bytes": total,
         "tensors": TENSORS,
         "rounds": ROUNDS,
-        "ipc_refit_gbps": statistics.median(refit_rates),
-        "device_copy_gbps": statistics.median(copy_rates),
-        "ipc_vs_device_copy": ratio,
+        "ipc_refit_gbps": measured.subject_gbps,
+        "device_copy_gbps": measured.reference_gbps,
+        "ipc_vs_device_copy": measured.ratio,
         "bitexact": exact,
     }

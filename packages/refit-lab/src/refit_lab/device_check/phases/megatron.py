@@ -9,15 +9,13 @@ bit for bit equal to the trainer's.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from refit_core import create_weight_synchronizer
-from refit_lab.device_check.timing import cuda_gbps
+from refit_lab.device_check.timing import interleaved_with_device_copy
 from refit_nccl.megatron import GPTConfig, Parallelism, ParamLayout, gpt_layouts
 
 __all__ = ["CONFIG", "ROUNDS", "run"]
@@ -56,24 +54,14 @@ def run() -> dict[str, Any]:
     }
     destinations = {name: torch.zeros_like(t) for name, t in sources.items()}
     total = sum(t.numel() * t.element_size() for t in sources.values())
-    flat_source = torch.empty(total, dtype=torch.uint8, device="cuda")
-    flat_target = torch.empty_like(flat_source)
     synchronizer = create_weight_synchronizer(
         _Side(layouts, sources), _Side(layouts, destinations), "megatron", True, refit_timeout_s=60
     )
-    copy_rates: list[float] = []
-    reshard_rates: list[float] = []
     with synchronizer:
         synchronizer.sync_weights()  # warm-up
-        for _ in range(ROUNDS):
-            for tensor in sources.values():
-                tensor.neg_()
-            copy_rates.append(cuda_gbps(lambda: flat_target.copy_(flat_source), total))
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            synchronizer.sync_weights()
-            torch.cuda.synchronize()
-            reshard_rates.append(total / (time.perf_counter() - started) / 1e9)
+        measured = interleaved_with_device_copy(
+            synchronizer.sync_weights, total, ROUNDS, lambda: [t.neg_() for t in sources.values()]
+        )
     exact = all(
         torch.equal(destinations[n].view(torch.int16), t.view(torch.int16))
         for n, t in sources.items()
@@ -82,10 +70,8 @@ def run() -> dict[str, Any]:
         "ok": exact,
         "model_bytes": total,
         "parameters": len(layouts),
-        "reshard_gbps": statistics.median(reshard_rates),
-        "device_copy_gbps": statistics.median(copy_rates),
-        "reshard_vs_device_copy": statistics.median(
-            r / c for r, c in zip(reshard_rates, copy_rates, strict=True)
-        ),
+        "reshard_gbps": measured.subject_gbps,
+        "device_copy_gbps": measured.reference_gbps,
+        "reshard_vs_device_copy": measured.ratio,
         "bitexact": exact,
     }
