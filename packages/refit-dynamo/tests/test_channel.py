@@ -55,6 +55,7 @@ def test_world_size_and_rank_offsets() -> None:
         (WORKERS, {"control_timeout_s": 0.0}, "control_timeout_s"),
         (WORKERS, {"control_timeout_s": float("inf")}, "control_timeout_s"),
         (WORKERS, {"control_timeout_s": float("nan")}, "control_timeout_s"),
+        (WORKERS, {"device": "tpu"}, "device must be"),
     ],
 )
 def test_construction_is_validated(

@@ -89,6 +89,7 @@ def channel_over(
         engine_world_size=engine_world_size,
         control_timeout_s=control_timeout_s,
         validate_workers=lambda: endpoints,
+        device="cpu",  # the stand-in workers receive over gloo
     )
 
 

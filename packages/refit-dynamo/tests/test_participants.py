@@ -14,7 +14,7 @@ from refit_core.sources import StateDictSource
 from refit_dynamo import DynamoRefitChannel, DynamoWorkerEndpoint, FleetChangedError
 from refit_dynamo.participants import dynamo_shards
 from refit_lab.ray_cluster import LocalCluster
-from refit_nccl import GroupSpec, JoinRequest, TransferPlan
+from refit_nccl import DeviceMismatchError, DeviceReport, GroupSpec, JoinRequest, TransferPlan
 
 WORKERS = [DynamoWorkerEndpoint(f"w{i}", f"http://127.0.0.1:{9100 + i}") for i in range(2)]
 STATE = (("a.weight", TensorSpec((4, 4), "bfloat16")), ("b.weight", TensorSpec((3,), "float32")))
@@ -97,3 +97,20 @@ def test_factory_row_validates_its_arguments() -> None:
         build(channel(), refit_timeout_s=1.0)
     synchronizer = build(channel(), refit_buffer_size_gb=1.0, refit_timeout_s=None)
     assert type(synchronizer).__name__ == "CollectiveWeightSynchronizer"
+
+
+def test_workers_report_the_channels_device() -> None:
+    cuda_ranks = dynamo_shards(channel())[0]
+    assert [p.call("refit_device").result(0) for p in cuda_ranks] == [DeviceReport.only("cuda")] * 2
+    cpu = DynamoRefitChannel(WORKERS, engine_world_size=1, control_timeout_s=5.0, device="cpu")
+    assert dynamo_shards(cpu)[1][0].call("refit_device").result(0) == DeviceReport.only("cpu")
+
+
+def test_cuda_workers_and_a_cpu_trainer_are_refused_before_any_admin_call() -> None:
+    """The workers' URLs answer nothing: the refusal comes from the device reports alone."""
+    synchronizer = build(channel(), refit_timeout_s=None)
+    try:
+        with pytest.raises(DeviceMismatchError, match=r"on cpu: trainer 0; on cuda: w0, w0/rank1"):
+            synchronizer.init_communicator()  # type: ignore[attr-defined]
+    finally:
+        synchronizer.shutdown()  # type: ignore[attr-defined]

@@ -199,7 +199,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/get_server_info":
-            self._reply(200, {"tp_size": self.server.engine.tp_size})
+            self._reply(200, {"tp_size": self.server.engine.tp_size, "device": "cpu"})
         else:
             self._reply(404, {"message": f"no route {self.path}"})
 

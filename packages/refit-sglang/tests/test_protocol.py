@@ -6,7 +6,9 @@ import pytest
 
 from refit_core import WorkerError
 from refit_lab.reference_engine import ReferenceModelConfig
+from refit_nccl import DeviceReport
 from refit_sglang import HttpClient, RequestSchemaError, check_pause_mode, validate_request
+from refit_sglang.participants import EngineSettings, sglang_shards
 from sglang_standin import StandInSGLang, serve
 
 INIT = {
@@ -71,7 +73,10 @@ def test_stand_in_refuses_a_misspelt_field() -> None:
                     {"serialized_named_tensors": [], "flush_cach": False},
                     None,
                 )
-            assert client.tp_size == 1
+            assert client.tp_size == 1 and client.device == "cpu"
+            settings = EngineSettings(1 << 20, "abort", 5.0)
+            (rank,) = sglang_shards([client], settings)[0]
+            assert rank.call("refit_device").result(10) == DeviceReport.of("cpu")
         finally:
             client.close()
 

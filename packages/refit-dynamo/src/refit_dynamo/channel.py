@@ -30,6 +30,8 @@ from refit_dynamo.transactions import join_worker, update_worker
 if TYPE_CHECKING:
     import ray
 
+    from refit_nccl.devices import DeviceType
+
 __all__ = ["DynamoRefitChannel", "WorkerValidator"]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ class DynamoRefitChannel:
             worker's receive, so it must cover one transfer).
         validate_workers: optional callable returning the fleet as discovery sees it now;
             :meth:`init_collective` refuses to start when it differs from ``workers``.
+        device: where the workers receive: ``"cuda"`` for vLLM's NCCL weight transfer (the
+            synchronizer row then hosts vLLM's own NCCL data plane, which needs vLLM on the
+            trainer), ``"cpu"`` for a gloo receiver. The workers' report in the row's choice
+            of backend.
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class DynamoRefitChannel:
         engine_world_size: int,
         control_timeout_s: float,
         validate_workers: WorkerValidator | None = None,
+        device: DeviceType = "cuda",
     ) -> None:
         self._workers = tuple(workers)
         if not self._workers:
@@ -72,6 +79,9 @@ class DynamoRefitChannel:
             raise ValueError(f"engine_world_size must be >= 1, got {engine_world_size}")
         if not math.isfinite(control_timeout_s) or control_timeout_s <= 0:
             raise ValueError(f"control_timeout_s must be > 0 and finite, got {control_timeout_s!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self._device: DeviceType = device
         self._engine_world_size = engine_world_size
         self._control_timeout_s = float(control_timeout_s)
         self._validate_workers = validate_workers
@@ -85,6 +95,11 @@ class DynamoRefitChannel:
     def workers(self) -> tuple[DynamoWorkerEndpoint, ...]:
         """The fleet, in rank order."""
         return self._workers
+
+    @property
+    def device(self) -> DeviceType:
+        """Where the workers receive (``cuda``: vLLM's NCCL data plane)."""
+        return self._device
 
     @property
     def engine_world_size(self) -> int:
@@ -119,9 +134,15 @@ class DynamoRefitChannel:
 
     # -- refit -------------------------------------------------------------------------
 
-    def prepare(self, state_dict_info: StateDictInfo) -> None:
-        """Build the update info (names, dtype names, shapes, packed) of later refits."""
-        self._update_info = update_info(state_dict_info, self._sender_spec)
+    def prepare(self, state_dict_info: StateDictInfo, *, vllm_nccl: bool = False) -> None:
+        """Build the update info (names, dtype names, shapes, packed) of later refits.
+
+        Args:
+            state_dict_info: the state, in transfer order.
+            vllm_nccl: build it with the trainer's vLLM (workers on vLLM's NCCL data plane,
+                :func:`~refit_dynamo.protocol.update_info`).
+        """
+        self._update_info = update_info(state_dict_info, self._sender_spec, vllm_nccl=vllm_nccl)
         logger.debug("prepared update info for %d tensors", len(state_dict_info))
 
     def client_copy(self) -> DynamoRefitChannel:

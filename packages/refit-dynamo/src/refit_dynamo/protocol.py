@@ -53,26 +53,53 @@ class Step:
 
 
 def init_payload(
-    master_address: str, master_port: int, rank_offset: int, world_size: int
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    *,
+    vllm_nccl: CollectiveSenderSpec | None = None,
 ) -> dict[str, Any]:
-    """Body of ``init_weights_update_group``: join the trainer's group at ``rank_offset``."""
-    return {
-        "engine_rpc": "init_weight_transfer_engine",
-        "init_info": {
+    """Body of ``init_weights_update_group``: join the trainer's group at ``rank_offset``.
+
+    With ``vllm_nccl`` (the packing geometry of workers on vLLM's NCCL data plane) the init
+    info is built by the trainer's vLLM (``NCCLWeightTransferInitInfo``: vLLM 0.32 carries the
+    geometry there); without, it carries the four fields of ai-dynamo 1.6.1's handlers.
+
+    Raises:
+        BackendNotInstalledError: ``vllm_nccl`` given and vLLM does not import here.
+    """
+    if vllm_nccl is not None:
+        from refit_nccl.vllm_native import nccl_init_info
+
+        info = nccl_init_info(master_address, master_port, rank_offset, world_size, vllm_nccl)
+    else:
+        info = {
             "master_address": master_address,
             "master_port": master_port,
             "rank_offset": rank_offset,
             "world_size": world_size,
-        },
-    }
+        }
+    return {"engine_rpc": "init_weight_transfer_engine", "init_info": info}
 
 
-def update_info(info: StateDictInfo, spec: CollectiveSenderSpec) -> dict[str, Any]:
+def update_info(
+    info: StateDictInfo, spec: CollectiveSenderSpec, *, vllm_nccl: bool = False
+) -> dict[str, Any]:
     """vLLM's packed update info for ``info`` (in transfer order).
 
-    The packing geometry travels with it, so both sides pack alike whatever the worker's
-    defaults are (vLLM's ``NCCLWeightTransferUpdateInfo`` takes both fields).
+    With ``vllm_nccl`` it is built by the trainer's vLLM (``NCCLWeightTransferUpdateInfo``,
+    which in vLLM 0.32 refuses the geometry fields); without, the packing geometry travels with
+    it as ai-dynamo 1.6.1's handlers take it, so both sides pack alike whatever the worker's
+    defaults are.
+
+    Raises:
+        BackendNotInstalledError: ``vllm_nccl`` and vLLM does not import here.
     """
+    if vllm_nccl:
+        from refit_nccl.vllm_native import nccl_update_info
+
+        return nccl_update_info(info, spec)
     if not info:
         raise ValueError("state_dict_info is empty")
     return {

@@ -32,6 +32,7 @@ from refit_core.protocols import PolicyLike
 from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
 from refit_nccl.child import make_group
+from refit_nccl.devices import DeviceReport, DeviceType
 from refit_nccl.geometry import DEFAULT_GEOMETRY
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.handshake import agree_on_plan
@@ -121,13 +122,24 @@ def _deadline(timeout_s: float | None, what: str) -> Deadline:
 
 
 class _Endpoint(ABC):
-    """Group membership, plan and deadline handling shared by both roles."""
+    """Group membership, plan and deadline handling shared by both roles.
 
-    def __init__(self) -> None:
+    Args:
+        device: where this participant's tensors live; None: this process's device (CUDA
+            where it can use a GPU).
+    """
+
+    def __init__(self, device: DeviceType | None = None) -> None:
         self._lock = threading.Lock()
         self._group: AbortableProcessGroup | None = None
         self._plan: TransferPlan | None = None
         self._staging = StagingBuffers()
+        self._device = device
+
+    def refit_device(self) -> DeviceReport:
+        """Where this participant's tensors live and which backends it can join (the
+        controller chooses the group's backend from every member's report)."""
+        return DeviceReport.of(self._device)
 
     def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
         """Check ``state`` and ``geometry`` against this participant and return the plan
@@ -218,10 +230,11 @@ class TrainerEndpoint(_Endpoint):
 
     Args:
         policy: where the weights come from; ``weight_source()`` is read on every refit.
+        device: where the policy's tensors live; None: this process's device.
     """
 
-    def __init__(self, policy: PolicyLike) -> None:
-        super().__init__()
+    def __init__(self, policy: PolicyLike, device: DeviceType | None = None) -> None:
+        super().__init__(device)
         self._policy = policy
 
     def refit_join(self, request: JoinRequest) -> str:
@@ -263,14 +276,16 @@ class EngineEndpoint(_Endpoint):
     Args:
         engine_factory: builds (or returns) the engine, on first use.
         geometry: the packing geometry this receiver declares.
+        device: where the engine's weights live; None: this process's device.
     """
 
     def __init__(
         self,
         engine_factory: Callable[[], CollectiveEngine],
         geometry: CollectiveSenderSpec = DEFAULT_GEOMETRY,
+        device: DeviceType | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(device)
         self._engine_factory = engine_factory
         self._engine: CollectiveEngine | None = None
         self._geometry = geometry

@@ -7,6 +7,9 @@ timeout (gloo) and a watchdog aborts the communicator where abort releases calls
 A call that does not complete aborts the group; every later call raises
 :class:`~refit_core.RefitAbortedError` naming that first cause. Store keys and warm-up follow
 refit's convention or vLLM's (:mod:`refit_nccl.rendezvous`), so a vLLM peer can join.
+
+The backend is given, or (``backend=None``) agreed at connect from the device every member
+reports through the store, as SPMD deployments (Megatron) need: no controller decides.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch._C._distributed_c10d import (
@@ -30,7 +33,8 @@ from torch._C._distributed_c10d import (
 from torch.distributed import DistStoreError
 
 from refit_core import Deadline, ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
-from refit_nccl.backends import Backend, BackendTraits, CallHandle, Communicator, traits_of
+from refit_nccl.backends import Backend, BackendTraits, CallHandle, Communicator, traits_for
+from refit_nccl.devices import DeviceReport, DeviceType, choose_backend, native_backend
 from refit_nccl.rendezvous import Convention, Rendezvous, convention_of
 from refit_nccl.watchdog import Watchdog
 
@@ -76,26 +80,31 @@ class GroupSpec:
         port: the store's port; use a fresh one per group.
         rank: this participant's rank.
         world_size: number of ranks.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); None: the members agree on it at
+            connect from the devices they report (:func:`~refit_nccl.devices.choose_backend`).
         name: the group's name (prefix of its store keys under refit's rendezvous).
         disarmed_timeout_s: timeout of calls made under a disarmed deadline.
         rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
-            ``"vllm"`` for a group that vLLM's stateless groups join
-            (:mod:`refit_nccl.rendezvous`; gloo only).
+            ``"vllm"`` for a group that vLLM's peers join (:mod:`refit_nccl.rendezvous`): on
+            gloo vLLM's stateless torch group, on ``nccl`` vLLM's own ``PyNcclCommunicator``
+            (:mod:`refit_nccl.vllm_native`, which needs vLLM importable here).
         in_child: run the communicator in a child process that is killed at the deadline
             or on abort (:class:`~refit_nccl.child.ChildProcessGroup`; gloo only); build the
             group with :func:`~refit_nccl.child.make_group`.
+        device: the device this member reports when ``backend`` is None (None: this
+            process's); ignored otherwise.
     """
 
     host: str
     port: int
     rank: int
     world_size: int
-    backend: Backend = "gloo"
+    backend: Backend | None = "gloo"
     name: str = "refit"
     disarmed_timeout_s: float = DISARMED_TIMEOUT_S
     rendezvous: Rendezvous = "refit"
     in_child: bool = False
+    device: DeviceType | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -104,13 +113,13 @@ class GroupSpec:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if not self.disarmed_timeout_s > 0:
             raise ValueError(f"disarmed_timeout_s must be > 0, got {self.disarmed_timeout_s}")
-        traits_of(self.backend)
+        if self.backend is not None:
+            traits_for(self.backend, self.rendezvous)
         convention_of(self.rendezvous)
-        if self.rendezvous == "vllm" and self.backend != "gloo":
-            raise ValueError(
-                "vLLM's NCCL rendezvous (an NCCL unique id pickled into the store for "
-                "PyNcclCommunicator) is not built; a vllm-rendezvous group runs on gloo"
-            )
+        if self.rendezvous == "vllm" and self.backend is None:
+            raise ValueError("a vLLM peer joins a group of a known backend; name it")
+        if self.device is not None:
+            native_backend(self.device)
         if self.in_child and self.backend != "gloo":
             raise ValueError(
                 "a child-process communicator moves CPU tensors (gloo); CUDA tensors would "
@@ -169,7 +178,9 @@ class AbortableProcessGroup:
 
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
-        self._traits: BackendTraits = traits_of(spec.backend)
+        self._traits: BackendTraits | None = (
+            None if spec.backend is None else traits_for(spec.backend, spec.rendezvous)
+        )
         self._lock = threading.Lock()
         self._pg: Communicator | None = None
         self._store: TCPStore | None = None
@@ -191,15 +202,20 @@ class AbortableProcessGroup:
 
     @property
     def backend(self) -> Backend:
-        """The communicator backend."""
-        return self.spec.backend
+        """The communicator backend (agreed at connect when the spec names none)."""
+        return self._known_traits().name
 
     @property
     def device(self) -> torch.device:
         """Device of the tensors this group moves."""
         if self._device is None:
-            self._device = self._traits.device()
+            self._device = self._known_traits().device()
         return self._device
+
+    def _known_traits(self) -> BackendTraits:
+        if self._traits is None:
+            raise RuntimeError(f"{self.spec.label}: the backend is agreed at connect()")
+        return self._traits
 
     @property
     def connected(self) -> bool:
@@ -226,12 +242,16 @@ class AbortableProcessGroup:
             RefitTimeoutError: a peer did not arrive before the deadline.
             RefitAbortedError: the group was aborted before or during the rendezvous.
             RefitError: the rendezvous failed otherwise (for example the port is taken).
+            BackendNotInstalledError: this process cannot build the backend's communicator
+                (vLLM's NCCL data plane without vLLM); nothing was joined.
         """
         spec = self.spec
         with self._lock:
             self._raise_if_aborted("connect")
             if self._pg is not None:
                 return
+        if self._traits is not None:
+            self._traits.require()
         logger.debug("%s: rendezvous at %s:%d", spec.label, spec.host, spec.port)
         with self._guard(deadline, "rendezvous"):
             try:
@@ -242,11 +262,19 @@ class AbortableProcessGroup:
             if self._abort_cause is None:
                 self._pg, self._store = pg, store
         self._raise_if_aborted("connect")
-        self._warm_up(deadline)
-        logger.info("%s: connected (%s)", spec.label, spec.backend)
+        traits = self._known_traits()
+        with self._guard(deadline, "communicator init"):
+            try:
+                traits.connect(pg, self.device, self._timeout(deadline, "communicator init"))
+            except Exception as exc:
+                raise self._rendezvous_error(exc, deadline) from exc
+        self._raise_if_aborted("connect")
+        if not traits.warms_up_itself:
+            self._warm_up(deadline)
+        logger.info("%s: connected (%s on %s)", spec.label, traits.name, self.device)
 
     def _open(self, deadline: Deadline) -> tuple[Communicator, TCPStore | None]:
-        """Meet the other ranks over the store and build the communicator."""
+        """Meet the other ranks over the store and build the communicator (not connected)."""
         spec = self.spec
         timeout = self._timeout(deadline, "rendezvous")
         store = TCPStore(
@@ -257,14 +285,43 @@ class AbortableProcessGroup:
             timeout=timeout,
             wait_for_workers=True,
         )
-        construct_timeout = (
-            timeout if self._traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
-        )
         prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port)
-        pg = self._traits.construct(
-            PrefixStore(prefix, store), spec.rank, spec.world_size, construct_timeout, spec.host
+        if self._traits is None:
+            self._traits = self._agree_on_backend(PrefixStore(prefix, store))
+        traits = self._traits
+        construct_timeout = (
+            timeout if traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
+        )
+        pg = traits.construct(
+            store if traits.raw_store else PrefixStore(prefix, store),
+            spec.rank,
+            spec.world_size,
+            construct_timeout,
+            spec.host,
+            self.device,
         )
         return pg, store
+
+    def _agree_on_backend(self, store: PrefixStore) -> BackendTraits:
+        """Publish this member's device report, read everyone's, choose the backend.
+
+        Every member reads the same reports and so reaches the same verdict; a mismatch
+        raises :class:`~refit_nccl.devices.DeviceMismatchError` on all of them.
+        """
+        spec = self.spec
+        mine = DeviceReport.of(spec.device)
+        store.set(f"device/{spec.rank}", f"{mine.device} {' '.join(mine.backends)}")
+        keys = [f"device/{rank}" for rank in range(spec.world_size)]
+        store.wait(keys)
+        reports: dict[str, DeviceReport] = {}
+        for rank, key in enumerate(keys):
+            device, *backends = store.get(key).decode().split()
+            reports[f"rank {rank}"] = DeviceReport(
+                cast(DeviceType, device), cast(tuple[Backend, ...], tuple(backends))
+            )
+        backend = choose_backend(reports)
+        logger.info("%s: members agreed on %s", spec.label, backend)
+        return traits_for(backend, spec.rendezvous)
 
     def _warm_up(self, deadline: Deadline) -> None:
         """The convention's one-element all-reduce; it must sum to what the convention says."""
@@ -308,7 +365,7 @@ class AbortableProcessGroup:
             options = BroadcastOptions()
             options.rootRank = root
             options.rootTensor = 0
-            if self._traits.per_call_timeout:
+            if self._known_traits().per_call_timeout:
                 options.timeout = timeout
             return pg.broadcast([tensor], options)
 
@@ -324,7 +381,7 @@ class AbortableProcessGroup:
         def start(pg: Communicator, timeout: timedelta) -> CallHandle:
             options = AllreduceOptions()
             options.reduceOp = reduce_op
-            if self._traits.per_call_timeout:
+            if self._known_traits().per_call_timeout:
                 options.timeout = timeout
             return pg.allreduce([tensor], options)
 
@@ -377,7 +434,7 @@ class AbortableProcessGroup:
 
     def _complete(self, call: PendingCall, work: CallHandle) -> None:
         try:
-            if self._traits.waits_in_slices and call.rewaitable:
+            if self._known_traits().waits_in_slices and call.rewaitable:
                 self._wait_in_slices(call, work)
             else:
                 timeout = self._timeout(call.deadline, call.what)
@@ -418,7 +475,7 @@ class AbortableProcessGroup:
         return timedelta(seconds=remaining)
 
     def _guard(self, deadline: Deadline, what: str) -> contextlib.AbstractContextManager[object]:
-        if not self._traits.abort_releases:
+        if self._traits is None or not self._traits.abort_releases:
             return contextlib.nullcontext()
         cause = f"{what} passed its deadline"
         return Watchdog(deadline, lambda: self.abort(cause), what=f"{self.spec.label}: {what}")

@@ -16,8 +16,8 @@ Two conventions, chosen by ``GroupSpec.rendezvous``:
   (:data:`refit_nccl.plan.PACKING_RULES` ``["vllm"]``).
 
 vLLM's NCCL receiver builds its communicator from an NCCL unique id that rank 0 pickles
-under the store key ``broadcast_from/0/0``; refit does not build that communicator (see the
-README), so a ``"vllm"`` group runs on gloo.
+under the store key ``broadcast_from/0/0``; on the ``nccl`` backend a ``"vllm"`` group is that
+communicator, built by vLLM's own code (:mod:`refit_nccl.vllm_native`), on the raw store.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ from refit_core import (
     WorkerOutcome,
 )
 from refit_core.participants import Gathered, Participant, gather
-from refit_nccl.backends import Backend, default_backend
+from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
+from refit_nccl.devices import DeviceReport, choose_backend
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
@@ -54,7 +55,9 @@ class CollectiveOptions:
     """Tuning of a :class:`CollectiveWeightSynchronizer`.
 
     Attributes:
-        backend: communicator backend; None picks ``nccl`` with a GPU, else ``gloo``.
+        backend: communicator backend; None picks it at every (re)build from the devices
+            every member reports (``nccl`` when all are on CUDA, ``gloo`` when all are on
+            CPU; mixed devices are refused). A backend given here must suit every member.
         buffer_size_bytes: bucket size the deployment requires (``refit_buffer_size_gb``);
             engines declaring another size are refused. None accepts what they declare.
         control_timeout_s: bound of non-collective calls (geometry, state, commit).
@@ -90,6 +93,7 @@ class _Group:
     """
 
     name: str
+    backend: Backend
     membership: Membership
     members: Mapping[int, Participant]
     absent: frozenset[int]
@@ -129,8 +133,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._shards = shards
         self._rendezvous = rendezvous
         self._options = options or CollectiveOptions()
-        self._backend: Backend = self._options.backend or default_backend()
-        if self._options.communicator_in_child and self._backend != "gloo":
+        if self._options.communicator_in_child and self._options.backend == "nccl":
             raise ValueError("communicator_in_child needs the gloo backend")
         self._counter = itertools.count()
         self._group: _Group | None = None
@@ -140,6 +143,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     def membership(self) -> Membership | None:
         """Who is in the current group (None before the first build)."""
         return self._group.membership if self._group else None
+
+    @property
+    def backend(self) -> Backend | None:
+        """The current group's backend, chosen from its members' devices (None before the
+        first build)."""
+        return self._group.backend if self._group else None
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -229,6 +238,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         for index in membership.shard_indices:
             for local_rank, worker in enumerate(shards[index]):
                 members[membership.shard(index).rank_of(local_rank)] = worker
+        backend = self._agree_backend(members.values(), deadline)
         planned = gather(
             {p: p.call("refit_plan", state, geometry) for p in members.values()},
             self._control_wait_s(deadline),
@@ -253,7 +263,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                         port,
                         rank,
                         membership.world_size,
-                        self._backend,
+                        backend,
                         name,
                         in_child=self._options.communicator_in_child,
                     ),
@@ -270,8 +280,25 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise self._failure(f"joining group {name}", gathered, deadline)
         seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
         digest = _require_one_digest(gathered)
-        self._group = _Group(name, membership, members, absent, seen, digest)
+        self._group = _Group(name, backend, membership, members, absent, seen, digest)
         self._stale_reason = None
+
+    def _agree_backend(self, members: Iterable[Participant], deadline: Deadline) -> Backend:
+        """The backend every member can join, from the device each one reports."""
+        members = list(members)
+        gathered = gather(
+            {p: p.call("refit_device") for p in members}, self._control_wait_s(deadline)
+        )
+        if not gathered.ok:
+            raise self._failure("asking the members for their devices", gathered, deadline)
+        reports: dict[str, DeviceReport] = {p.label: gathered.results[p] for p in members}
+        requested = self._options.backend or (
+            "gloo" if self._options.communicator_in_child else None
+        )
+        backend = choose_backend(reports, requested)
+        devices = sorted({r.device for r in reports.values()})
+        logger.info("members report %s: backend %s", ", ".join(devices), backend)
+        return backend
 
     def _agree_geometry(
         self, engines: Sequence[Participant], deadline: Deadline
@@ -360,11 +387,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
         workers = [(i, w) for i, ws in self._shards().items() for w in ws]
         limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
+        silent_keys = {p.key for p in silent}
         gathered = gather(
-            {w: w.call("refit_status") for _, w in workers if w not in silent},
+            {w: w.call("refit_status") for _, w in workers if w.key not in silent_keys},
             limit if wait_s is None else min(limit, wait_s),
         )
-        gathered.missing.extend(silent)
+        gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
         return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
 
     def _live_shards(self) -> frozenset[int] | None:

@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
-from refit_nccl import JoinRequest, Participant, TransferStats
+from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError, WorkerError
+from refit_nccl import DeviceReport, JoinRequest, Participant, TransferStats
 from refit_nccl.futures import dispatch, done, in_thread, then
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import LIFECYCLE_ROUTES, PauseMode, flush_caches, paused
@@ -89,6 +89,7 @@ class SGLangRankParticipant(Participant):
     def call(self, method: str, *args: Any) -> Future[Any]:
         """Start ``method(*args)``; never blocks."""
         handlers: dict[str, Callable[..., Future[Any]]] = {
+            "refit_device": self._device_report,
             "refit_geometry": lambda: done(self._geometry),
             "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
             "refit_join": self._join,
@@ -97,6 +98,23 @@ class SGLangRankParticipant(Participant):
             "refit_abort": self._abort,
         }
         return dispatch(handlers, method, args, "an SGLang engine")
+
+    def _device_report(self) -> Future[DeviceReport]:
+        return in_thread(self._read_device, name=_THREAD)
+
+    def _read_device(self) -> DeviceReport:
+        """The engine's device (its server args); SGLang joins a group of the backend the
+        init call names, so a CUDA engine can take NCCL or gloo."""
+        device = self._client.device
+        if device == "cuda":
+            return DeviceReport.of("cuda")
+        if device == "cpu":
+            return DeviceReport.of("cpu")
+        raise WorkerError(
+            f"device {device!r}: refit's collective moves CPU or CUDA tensors",
+            worker=self.label,
+            operation="refit_device",
+        )
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> DistributedPlan:
         if geometry != self._geometry:

@@ -7,11 +7,17 @@ packed broadcast through refit-nccl.
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update(is_checkpoint_format)``,
 ``update_weights(update_info)``, ``finish_weight_update()``. Faults can be injected per
 method (fail with a message, or delay) and every call is logged, for tests to inspect.
+
+With ``REFIT_LAB_RECEIVER=vllm-nccl`` in the worker's environment each rank joins and receives
+the way vLLM's ``NCCLWeightTransferEngine`` does, with vLLM's own code on GPU ``local_rank``
+(``stateless_init_process_group`` from the parsed ``NCCLWeightTransferInitInfo``, then
+``packed_nccl_broadcast_consumer`` over the parsed update info); it needs a CUDA build of vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +28,11 @@ from refit_core import CollectiveSenderSpec, Deadline, TensorSpec
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
 
-__all__ = ["Fault", "ReferenceEngineClient"]
+__all__ = ["RECEIVER_ENV", "Fault", "ReferenceEngineClient"]
+
+RECEIVER_ENV = "REFIT_LAB_RECEIVER"
+"""``vllm-nccl``: ranks receive with vLLM's own NCCL worker code; otherwise over refit's gloo
+group by vLLM's rendezvous."""
 
 JOIN_S = 60.0
 """How long a rank waits for the group's other members (vLLM has no such deadline)."""
@@ -45,11 +55,17 @@ class _Rank:
     local_rank: int
     engine: ReferenceEngine
     group: AbortableProcessGroup | None = None
+    vllm_comm: Any = None
+    """vLLM's ``PyNcclCommunicator`` (``REFIT_LAB_RECEIVER=vllm-nccl``)."""
+    vllm_geometry: CollectiveSenderSpec | None = None
     updating: bool = False
     updates: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        if os.environ.get(RECEIVER_ENV) == "vllm-nccl":
+            self._join_vllm_nccl(init_info)
+            return
         if self.group is not None:
             self.group.abort("replaced by a new group")
         self.group = AbortableProcessGroup(
@@ -70,7 +86,54 @@ class _Rank:
             raise RuntimeError("a weight update is already active")
         self.updating = True
 
+    def _join_vllm_nccl(self, init_info: dict[str, Any]) -> None:
+        """What vLLM's worker runs (``worker_init_process_group``), on GPU ``local_rank``."""
+        from vllm.distributed.weight_transfer.nccl_common import (
+            NCCLWeightTransferInitInfo,
+            stateless_init_process_group,
+        )
+
+        info = NCCLWeightTransferInitInfo(**init_info)
+        assert info.master_address is not None and info.master_port is not None
+        torch.cuda.set_device(self.local_rank)
+        self.vllm_geometry = CollectiveSenderSpec(
+            "vllm", info.packed_buffer_size_bytes, info.packed_num_buffers
+        )
+        self.vllm_comm = stateless_init_process_group(
+            info.master_address,
+            info.master_port,
+            info.rank_offset + self.local_rank,
+            info.world_size,
+            device=self.local_rank,
+        )
+
+    def _receive_vllm_nccl(self, update_info: dict[str, Any]) -> None:
+        """What vLLM's ``NCCLWeightTransferEngine.receive_weights`` runs when packed."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        info = NCCLWeightTransferUpdateInfo(**update_info)
+        assert self.vllm_geometry is not None
+        torch.cuda.set_device(self.local_rank)
+        packed_nccl_broadcast_consumer(
+            iterator=(
+                (name, (shape, getattr(torch, dtype)))
+                for name, dtype, shape in zip(
+                    info.names, info.dtype_names, info.shapes, strict=True
+                )
+            ),
+            group=self.vllm_comm,
+            src=0,
+            post_unpack_func=lambda items: self._load([(n, t.cpu()) for n, t in items]),
+            buffer_size_bytes=self.vllm_geometry.buffer_size_bytes,
+            num_buffers=self.vllm_geometry.num_buffers,
+            device=f"cuda:{self.local_rank}",
+        )
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.updating and self.vllm_comm is not None:
+            self._receive_vllm_nccl(update_info)
+            return
         if not self.updating or self.group is None:
             raise RuntimeError("update_weights outside a started update or without a group")
         info = {

@@ -20,6 +20,7 @@ __all__ = ["ENDPOINT_METHODS", "decode_call", "decode_reply", "encode_call", "en
 
 ENDPOINT_METHODS = frozenset(
     {
+        "refit_device",
         "refit_geometry",
         "refit_plan",
         "refit_join",
