@@ -151,12 +151,16 @@ class DynamoRefitChannel:
                 f"{len(self._workers)} workers x engine_world_size {self._engine_world_size}"
             )
         self.check_membership()
-        clone = self.client_copy()
         refs = []
         for index in range(len(self._workers)):
             offset = self.rank_offset(index, train_world_size)
             refs.append(
-                submit(join_worker, clone, index, init_payload(ip, port, offset, world_size))
+                submit(
+                    join_worker,
+                    self._client,
+                    self._workers[index],
+                    init_payload(ip, port, offset, world_size),
+                )
             )
         logger.info("asked %d Dynamo workers to join %s:%d", len(refs), ip, port)
         return refs
@@ -174,8 +178,8 @@ class DynamoRefitChannel:
         """
         if self._update_info is None:
             raise RuntimeError("call prepare(state_dict_info) before update_weights()")
-        clone = self.client_copy()
-        return [submit(update_worker, clone, i, weight_version) for i in range(len(self._workers))]
+        info = dict(self._update_info)
+        return [submit(update_worker, self._client, w, info, weight_version) for w in self._workers]
 
     def flush_cache(self) -> bool:
         """Pause every worker (wait, clear cache) in parallel, resume those that paused.
@@ -195,10 +199,6 @@ class DynamoRefitChannel:
     def admin(self) -> AdminClient:
         """The pooled admin client of this copy."""
         return self._client
-
-    def post(self, index: int, route: str, payload: Mapping[str, Any], rpc: str = "") -> None:
-        """One admin call to worker ``index``."""
-        self._client.post(self._workers[index], route, payload, rpc=rpc)
 
     def check_membership(self) -> None:
         """Raise :class:`FleetChangedError` if ``validate_workers`` sees another fleet."""

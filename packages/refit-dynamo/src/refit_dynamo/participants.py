@@ -44,7 +44,7 @@ class DynamoRankParticipant(Participant):
         label = worker.instance_id if local_rank == 0 else f"{worker.instance_id}/rank{local_rank}"
         super().__init__(label)
         self._channel = channel
-        self._index = index
+        self._worker = worker
         self._local_rank = local_rank
         self._plan: TransferPlan | None = None
         self._in_flight: Future[Any] | None = None
@@ -52,7 +52,7 @@ class DynamoRankParticipant(Participant):
     @property
     def key(self) -> Hashable:
         """The worker's endpoint and the rank within it."""
-        return (self._channel.workers[self._index], self._local_rank)
+        return (self._worker, self._local_rank)
 
     @property
     def drives(self) -> bool:
@@ -89,7 +89,9 @@ class DynamoRankParticipant(Participant):
         self._channel.prepare(dict(request.state))
         group = request.group
         payload = init_payload(group.host, group.port, group.rank, group.world_size)
-        self._in_flight = in_thread(join_worker, self._channel, self._index, payload, name=_THREAD)
+        self._in_flight = in_thread(
+            join_worker, self._channel.admin, self._worker, payload, name=_THREAD
+        )
         return then(self._in_flight, lambda _: plan.digest)
 
     def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
@@ -100,15 +102,18 @@ class DynamoRankParticipant(Participant):
         sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
         if not self.drives:
             return done(TransferStats.since(started, *sizes))
+        info = self._channel.update_info
+        if info is None:
+            raise RuntimeError(f"{self.label}: the channel carries no update info")
         self._in_flight = in_thread(
-            update_worker, self._channel, self._index, version, name=_THREAD
+            update_worker, self._channel.admin, self._worker, info, version, name=_THREAD
         )
         return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
 
     def _commit(self, version: int) -> Future[int]:
         if not self.drives:
             return done(version)
-        flushed = in_thread(flush_worker, self._channel, self._index, name=_THREAD)
+        flushed = in_thread(flush_worker, self._channel.admin, self._worker, name=_THREAD)
         return then(flushed, lambda _: version)
 
     def _abort(self, cause: str, *_: object) -> Future[None]:
