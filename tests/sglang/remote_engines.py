@@ -3,30 +3,52 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import multiprocessing
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
-
-from refit_lab.conformance import RefitDeployment
-from refit_lab.faults import ProcessGang
-from refit_lab.reference_engine import ReferenceModelConfig
 from sglang_code import serve_in_child
 
-START_S = 180.0
-"""An engine process imports SGLang (tens of seconds on a loaded machine)."""
+from refit_lab.conformance import RefitDeployment
+from refit_lab.reference_engine import ReferenceModelConfig
+
+START_S = 600.0
+"""Every engine and rank process imports torch and SGLang (about 40 s each here when the
+machine is idle; minutes when several start at once on a loaded machine)."""
 
 
-def start_engines(
-    gang: ProcessGang, config: ReferenceModelConfig, tp_sizes: Sequence[int], seed: int
-) -> list[str]:
-    """One engine process per entry of ``tp_sizes``; their base URLs, in that order."""
-    for index, tp_size in enumerate(tp_sizes):
-        gang.spawn(serve_in_child, dataclasses.asdict(config), seed + index, tp_size, gang.results)
-    urls: list[str] = gang.collect(len(tp_sizes), timeout_s=START_S)
-    ports = {url: int(url.rsplit(":", 1)[1]) for url in urls}
-    return sorted(urls, key=lambda url: _tp_size(url) * 100_000 + ports[url])
+@contextmanager
+def engine_processes(
+    config: ReferenceModelConfig, tp_sizes: Sequence[int], seed: int
+) -> Iterator[list[str]]:
+    """One engine process per entry of ``tp_sizes`` (each starts a process per rank, so they
+    are not daemons); yields their base URLs in that order and kills them at the end (their
+    ranks exit when the engine's pipes close)."""
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue[str] = context.Queue()
+    processes = [
+        context.Process(
+            target=serve_in_child,
+            args=(dataclasses.asdict(config), seed + index, tp_size, results),
+            daemon=False,
+        )
+        for index, tp_size in enumerate(tp_sizes)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        end = time.monotonic() + START_S
+        urls = [results.get(timeout=max(0.0, end - time.monotonic())) for _ in processes]
+        yield sorted(urls, key=lambda url: (_tp_size(url), url))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=30)
 
 
 def _tp_size(url: str) -> int:
@@ -43,10 +65,9 @@ def inspect(url: str, what: str = "state", **body: Any) -> dict[str, Any]:
 
 @dataclass
 class RemoteDeployment(RefitDeployment):
-    """A trainer refitting engines in other processes; ``gang`` ends them."""
+    """A trainer refitting engines in other processes (which outlive it)."""
 
     urls: Sequence[str] = ()
-    gang: ProcessGang = field(default_factory=ProcessGang)
 
     def engine_digests(self) -> list[dict[str, int]]:
         return [d for url in self.urls for d in inspect(url)["digests"]]
@@ -64,9 +85,3 @@ class RemoteDeployment(RefitDeployment):
                 url, "generate", prompts=[list(p) for p in prompts], max_new_tokens=max_new_tokens
             )["tokens"]
         ]
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.gang.reap()

@@ -5,37 +5,41 @@ What is SGLang's here, and what stands in:
 - Every request body is parsed by SGLang's own request struct (``sglang.srt.managers.
   io_struct``) through pydantic, as its FastAPI routes parse them (``Annotated[<ReqInput>,
   Body()]``; ``serialized_named_tensors`` is decoded by its ``Base64Bytes`` marker).
-- ``update_weights_from_tensor``: the payload list is normalized by SGLang's
-  ``normalize_serialized_named_tensor_payloads`` (as ``TokenizerManager`` does), tensor-parallel
-  rank ``r`` takes entry ``r`` as ``TpModelWorker.deserialize_own_rank`` does, after SGLang's
-  ``monkey_patch_torch_reductions()``, through ``MultiprocessingSerializer.deserialize`` (its
-  ``SafeUnpickler``), and each rank's real ``WeightUpdater`` rebuilds the flattened bucket
+- Each tensor-parallel rank is a process of its own, as SGLang's schedulers are (rank 0 is
+  the server's own process), with a real ``WeightUpdater``:
+  ``update_weights_from_tensor``: the payload list is normalized by SGLang's
+  ``normalize_serialized_named_tensor_payloads`` (as ``TokenizerManager`` does), rank ``r``
+  takes entry ``r`` as ``TpModelWorker.deserialize_own_rank`` does, and after SGLang's
+  ``monkey_patch_torch_reductions()`` unpickles it with ``MultiprocessingSerializer.
+  deserialize`` (its ``SafeUnpickler``); the ``WeightUpdater`` rebuilds the flattened bucket
   (``_update_weights_from_flattened_bucket``: ``FlattenedTensorMetadata``,
   ``FlattenedTensorBucket.reconstruct_tensors``).
-- ``init_weights_update_group`` / ``update_weights_from_distributed`` /
-  ``destroy_weights_update_group``: each rank's real ``WeightUpdater`` joins the group with
-  SGLang's ``init_custom_process_group`` (over a default process group of its own, as every
-  SGLang rank has one), receives with ``receive_weights_from_distributed`` and leaves with
+  ``init_weights_update_group`` / ``update_weights_from_distributed`` /
+  ``destroy_weights_update_group``: the ``WeightUpdater`` joins the group with SGLang's
+  ``init_custom_process_group`` (over a one-rank default process group, as every SGLang rank
+  has its own), receives with ``receive_weights_from_distributed`` and leaves with
   ``destroy_weights_update_group``.
 - Stands in: the model the ``WeightUpdater`` loads into (its ``load_weights`` is refit-lab's
-  reference engine: SGLang's model runner needs CUDA kernels), the scheduler and tokenizer
-  manager processes (ranks are threads of this process; pause, continue and flush mark state
-  and reset the reference engine's prefix cache), and the HTTP server process
-  (:mod:`sglang_standin`'s ``serve``).
+  reference engine: SGLang's model runner needs CUDA kernels); the tokenizer manager and the
+  HTTP server process (:mod:`sglang_standin`'s ``serve``: pause, continue and flush mark state
+  and reset the reference engines' prefix caches; requests fan out to every rank).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from refit_lab.reference_engine import ReferenceEngine
+from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
+from refit_sglang import validate_request
 from refit_sglang.protocol import TOKENIZER_CALLS
-from sglang_standin import StandInSGLang, serve
+from sglang_standin import serve
 
 _INSPECT = "_test/"
 """Routes a test reads the engine process through (never called by refit)."""
@@ -54,7 +58,7 @@ def parse_request(route: str, body: Mapping[str, Any]) -> Any:
 
 
 class _Model(torch.nn.Module):
-    """What a ``WeightUpdater`` loads into: the reference engine of one rank."""
+    """What a ``WeightUpdater`` loads into: the rank's reference engine."""
 
     def __init__(self, engine: ReferenceEngine) -> None:
         super().__init__()
@@ -68,88 +72,200 @@ def _not_used(*_: object, **__: object) -> None:
     raise AssertionError("refit's routes do not reach this WeightUpdater hook")
 
 
-def _updater(tp_rank: int, engine: ReferenceEngine) -> Any:
-    from sglang.srt.model_executor.model_runner_components.weight_updater import (
-        WeightUpdater,
-    )
+class RankWorker:
+    """One SGLang tensor-parallel rank: a reference engine behind SGLang's ``WeightUpdater``."""
 
-    model = _Model(engine)
-    return WeightUpdater(
-        tp_rank=tp_rank,
-        device="cpu",
-        gpu_id=0,
-        model_config=None,
-        custom_weight_loaders={},
-        get_model=lambda: model,
-        update_model_fields=_not_used,
-        recapture_cuda_graph=_not_used,
-        get_model_runner=_not_used,
-    )
+    def __init__(self, config: dict[str, Any], seed: int, tp_rank: int) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # SGLang's init_weights_update_group requires one
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._args = (config, seed, tp_rank)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over: leave every group still joined, fresh weights, no version."""
+        from sglang.srt.model_executor.model_runner_components.weight_updater import (
+            WeightUpdater,
+        )
+
+        if hasattr(self, "updater"):
+            for name in list(self.updater._model_update_group):
+                self.updater.destroy_weights_update_group(name)
+        config, seed, tp_rank = self._args
+        self.engine = ReferenceEngine(ReferenceModelConfig(**config), seed=seed)
+        model = _Model(self.engine)
+        self.updater = WeightUpdater(
+            tp_rank=tp_rank,
+            device="cpu",
+            gpu_id=0,
+            model_config=None,
+            custom_weight_loaders={},
+            get_model=lambda: model,
+            update_model_fields=_not_used,
+            recapture_cuda_graph=_not_used,
+            get_model_runner=_not_used,
+        )
+
+    def load_payload(self, payload: bytes) -> tuple[bool, str]:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+        data = MultiprocessingSerializer.deserialize(payload)
+        result: tuple[bool, str] = self.updater._update_weights_from_flattened_bucket(data)
+        return result
+
+    def init_group(self, **fields: Any) -> tuple[bool, str]:
+        result: tuple[bool, str] = self.updater.init_weights_update_group(**fields)
+        return result
+
+    def receive(self, **fields: Any) -> None:
+        self.engine.load_weights(self.updater.receive_weights_from_distributed(**fields))
+
+    def destroy_group(self, group_name: str) -> tuple[bool, str]:
+        result: tuple[bool, str] = self.updater.destroy_weights_update_group(group_name)
+        return result
+
+    def commit(self, flush_cache: bool, weight_version: str | None) -> None:
+        if flush_cache:
+            self.engine.reset_prefix_cache()
+        if weight_version is not None:
+            self.engine.set_weight_version(int(weight_version))
+
+    def state(self) -> dict[str, Any]:
+        return {"digest": self.engine.state_digests(), "version": self.engine.weight_version}
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return self.engine.generate(prompts, max_new_tokens).tokens
 
 
-def _default_group() -> None:
-    """A one-rank default process group, which SGLang's ``init_weights_update_group``
-    requires (every SGLang rank has its TP world)."""
-    import torch.distributed as dist
+def _rank_main(conn: Connection, config: dict[str, Any], seed: int, tp_rank: int) -> None:
+    """Process entry of one rank: serve ``(method, kwargs)`` requests until the pipe closes."""
+    worker = RankWorker(config, seed, tp_rank)
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(**kwargs)))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+class _RankProcess:
+    """A rank in a process of its own, called one request at a time."""
+
+    def __init__(self, config: dict[str, Any], seed: int, tp_rank: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_rank_main, args=(theirs, config, seed, tp_rank), daemon=True
+        )
+        self._process.start()
+        theirs.close()
+        self._lock = threading.Lock()
+        self._answer()  # the rank's ready line
+
+    def _answer(self) -> Any:
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        with self._lock:
+            self._conn.send((method, kwargs))
+            return self._answer()
 
 
-@dataclass
-class SGLangCodeEngine(StandInSGLang):
-    """A :class:`StandInSGLang` whose routes run SGLang's own code (module docstring)."""
+class _LocalRank:
+    """Rank 0, in the engine's own process (as SGLang's first scheduler shares its host)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.updaters = [_updater(rank, engine) for rank, engine in enumerate(self.ranks)]
+    def __init__(self, config: dict[str, Any], seed: int) -> None:
+        self._worker = RankWorker(config, seed, 0)
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        return getattr(self._worker, method)(**kwargs)
+
+
+class SGLangCodeEngine:
+    """One SGLang server with ``tp_size`` rank processes (see the module docstring).
+
+    Attributes:
+        calls: ``(route, body)`` of every request served, payloads left out.
+    """
+
+    def __init__(self, config: dict[str, Any], seed: int, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.paused = False
+        self.ranks: list[_LocalRank | _RankProcess] = [_LocalRank(config, seed)]
+        self.ranks += [_RankProcess(config, seed, r) for r in range(1, tp_size)]
+        self._pool = ThreadPoolExecutor(tp_size)
 
     def handle(self, route: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``route``: ``{"success", "message"}`` (and a test's reads under ``_test/``)."""
         if route.startswith(_INSPECT):
-            return {"success": True, "message": "", **self._inspect(route.removeprefix(_INSPECT), body)}
+            return {"success": True, "message": "", **self._inspect(route[len(_INSPECT) :], body)}
         try:
+            validate_request(route, body)
             parse_request(route, body)
         except ValueError as exc:
-            return {"success": False, "message": f"SGLang refuses the body: {exc}"}
-        return super().handle(route, body)
+            return {"success": False, "message": f"refused: {exc}"}
+        self.calls.append(
+            (route, {k: v for k, v in body.items() if k != "serialized_named_tensors"})
+        )
+        try:
+            getattr(self, f"_{route}")(**body)
+        except Exception as exc:
+            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        return {"success": True, "message": "Succeeded"}
+
+    def _on_ranks(self, call: Callable[[int, Any], Any]) -> list[Any]:
+        """``call(rank, process)`` on every rank at once (SGLang's schedulers all serve each
+        request); RuntimeError naming the first rank that failed."""
+        futures = [self._pool.submit(call, r, p) for r, p in enumerate(self.ranks)]
+        results = []
+        for rank, future in enumerate(futures):
+            result = future.result()
+            if isinstance(result, tuple) and result and result[0] is False:
+                raise RuntimeError(f"rank {rank}: {result[1]}")
+            results.append(result)
+        return results
 
     def _inspect(self, what: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """What a test reads from the engine process: state, or greedy tokens per rank."""
+        """A test's read: ``state``, ``generate`` (greedy tokens per rank), or ``reset``
+        (start over as a new engine: every rank reset, no calls)."""
+        if what == "reset":
+            self._on_ranks(lambda _, p: p.call("reset"))
+            self.calls, self.paused = [], False
+            return {}
         if what == "generate":
-            return {
-                "tokens": [
-                    rank.generate(body["prompts"], body["max_new_tokens"]).tokens
-                    for rank in self.ranks
-                ]
-            }
+            return {"tokens": self._on_ranks(lambda _, p: p.call("generate", **body))}
+        states = self._on_ranks(lambda _, p: p.call("state"))
         return {
-            "digests": [rank.state_digests() for rank in self.ranks],
-            "versions": [rank.weight_version for rank in self.ranks],
+            "digests": [s["digest"] for s in states],
+            "versions": [s["version"] for s in states],
             "paused": self.paused,
             "calls": self.calls,
         }
 
-    def _on_ranks(self, work: Callable[[int, Any], tuple[bool, str] | None]) -> None:
-        """``work(rank, updater)`` on every rank at once (SGLang's ranks are processes that
-        all serve each request); the first failure is raised."""
-        results: list[tuple[bool, str] | BaseException | None] = [None] * len(self.updaters)
+    def _commit(self, flush_cache: bool, weight_version: str | None) -> None:
+        self._on_ranks(
+            lambda _, p: p.call("commit", flush_cache=flush_cache, weight_version=weight_version)
+        )
 
-        def run(rank: int) -> None:
-            try:
-                results[rank] = work(rank, self.updaters[rank])
-            except BaseException as exc:
-                results[rank] = exc
+    def _pause_generation(self, mode: str = "abort") -> None:
+        self.paused = True
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.updaters))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for rank, result in enumerate(results):
-            if isinstance(result, BaseException):
-                raise RuntimeError(f"rank {rank}: {type(result).__name__}: {result}") from result
-            if result is not None and not result[0]:
-                raise RuntimeError(f"rank {rank}: {result[1]}")
+    def _continue_generation(self, torch_empty_cache: bool = True) -> None:
+        self.paused = False
+
+    def _flush_cache(self, timeout_s: float | None = None) -> None:
+        self._commit(True, None)
 
     def _update_weights_from_tensor(
         self,
@@ -159,39 +275,16 @@ class SGLangCodeEngine(StandInSGLang):
         weight_version: str | None = None,
         **_: object,
     ) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         if load_format != "flattened_bucket":
             raise ValueError(f"refit sends load_format='flattened_bucket', not {load_format!r}")
         payloads = normalize_serialized_named_tensor_payloads(serialized_named_tensors)
-
-        def load(rank: int, updater: Any) -> tuple[bool, str]:
-            monkey_patch_torch_reductions()
-            data = MultiprocessingSerializer.deserialize(payloads[rank])
-            result: tuple[bool, str] = updater._update_weights_from_flattened_bucket(data)
-            return result
-
-        self._on_ranks(load)
+        self._on_ranks(lambda rank, p: p.call("load_payload", payload=payloads[rank]))
         self._commit(flush_cache, weight_version)
 
-    def _init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        _default_group()
-        self._on_ranks(
-            lambda _, updater: updater.init_weights_update_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend
-            )
-        )
-        self.groups[group_name] = []
+    def _init_weights_update_group(self, **fields: Any) -> None:
+        self._on_ranks(lambda _, p: p.call("init_group", **fields))
 
     def _update_weights_from_distributed(
         self,
@@ -204,30 +297,18 @@ class SGLangCodeEngine(StandInSGLang):
         load_format: str | None = None,
         **_: object,
     ) -> None:
-        def receive(rank: int, updater: Any) -> None:
-            weights = updater.receive_weights_from_distributed(
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                load_format=load_format,
-            )
-            self.ranks[rank].load_weights(weights)
-
-        self._on_ranks(receive)
+        fields = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        self._on_ranks(lambda _, p: p.call("receive", load_format=load_format, **fields))
         self._commit(flush_cache, weight_version)
 
     def _destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self._on_ranks(lambda _, updater: updater.destroy_weights_update_group(group_name))
-        self.groups.pop(group_name, None)
+        self._on_ranks(lambda _, p: p.call("destroy_group", group_name=group_name))
 
 
 def serve_in_child(config: dict[str, Any], seed: int, tp_size: int, results: Any) -> None:
     """Process entry: serve an :class:`SGLangCodeEngine` over HTTP, put its URL on
     ``results``, live until killed."""
-    from refit_lab.reference_engine import ReferenceModelConfig
-
-    engine = SGLangCodeEngine(ReferenceModelConfig(**config), seed, tp_size)
-    with serve(engine) as url:
+    engine = SGLangCodeEngine(config, seed, tp_size)
+    with serve(engine) as url:  # type: ignore[arg-type]  # serve takes any handle()/tp_size
         results.put(url)
         threading.Event().wait()

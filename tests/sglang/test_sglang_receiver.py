@@ -7,16 +7,17 @@ by SGLang's ``init_custom_process_group`` there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from remote_engines import RemoteDeployment, engine_processes, inspect
 
 from refit_core import WeightSynchronizer, create_weight_synchronizer
 from refit_lab.conformance import RefitDeployment, SynchronizerConformance
-from refit_lab.faults import ProcessGang
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_sglang import SharedBuffers, iter_buckets
 from refit_sglang.protocol import REFIT_FIELDS
-from remote_engines import RemoteDeployment, inspect, start_engines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,23 +27,34 @@ BUCKET_GB = 1 / 1024
 TP_SIZES = (1, 2)
 
 
+_ENGINES: list[str] = []
+"""The engine processes' base URLs (1 rank, 2 ranks), started once for the module."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines() -> Iterator[None]:
+    with engine_processes(MODEL, TP_SIZES, seed=2) as urls:
+        _ENGINES[:] = urls
+        try:
+            yield
+        finally:
+            _ENGINES.clear()
+
+
 def _deploy(colocated: bool) -> RemoteDeployment:
+    """A new trainer refitting the engines, each started over as a new engine."""
+    for url in _ENGINES:
+        inspect(url, "reset")
     trainer = SimulatedTrainer(random_checkpoint(MODEL, 1), engine_dtype=MODEL.dtype, lr=1e-2)
-    gang = ProcessGang()
-    try:
-        urls = start_engines(gang, MODEL, TP_SIZES, seed=2)
-        synchronizer: WeightSynchronizer = create_weight_synchronizer(
-            trainer,
-            urls,
-            "sglang",
-            colocated=colocated,
-            refit_buffer_size_gb=BUCKET_GB,
-            refit_timeout_s=60.0,
-        )
-    except BaseException:
-        gang.reap()
-        raise
-    return RemoteDeployment(trainer, synchronizer, MODEL, urls, gang)
+    synchronizer: WeightSynchronizer = create_weight_synchronizer(
+        trainer,
+        list(_ENGINES),
+        "sglang",
+        colocated=colocated,
+        refit_buffer_size_gb=BUCKET_GB,
+        refit_timeout_s=60.0,
+    )
+    return RemoteDeployment(trainer, synchronizer, MODEL, list(_ENGINES))
 
 
 class TestColocatedIntoSGLangCode(SynchronizerConformance):
@@ -69,7 +81,9 @@ def test_every_body_is_sglangs_and_served(colocated: bool) -> None:
         for url, tp_size in zip(deployment.urls, TP_SIZES, strict=True):
             state = inspect(url)
             routes = [route for route, _ in state["calls"]]
-            weights = "update_weights_from_tensor" if colocated else "update_weights_from_distributed"
+            weights = (
+                "update_weights_from_tensor" if colocated else "update_weights_from_distributed"
+            )
             assert routes.count(weights) > 1
             assert all(set(body) <= {*REFIT_FIELDS[r]} for r, body in state["calls"])
             assert state["versions"] == [1] * tp_size and not state["paused"]
@@ -87,7 +101,8 @@ def test_sglangs_unpickler_takes_a_payload() -> None:
     named = list(trainer.engine_state().items())
     ((bucket, _),) = iter_buckets(named[:2], 64 << 20, buffers.allocate)
     monkey_patch_torch_reductions()
-    data = MultiprocessingSerializer.deserialize(buffers.serialize(bucket))
+    (payload,) = buffers.serialize(bucket)
+    data = MultiprocessingSerializer.deserialize(payload)
     flat = data["flattened_tensor"]
     for meta, (name, view) in zip(data["metadata"], bucket.views(), strict=True):
         assert meta.name == name

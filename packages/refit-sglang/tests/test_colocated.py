@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -83,7 +84,8 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[StandInDeployment]:
 
 
 def _shared_files() -> set[Path]:
-    return set(Path("/dev/shm").glob("refit-sglang-*"))
+    """This process's shared-memory segments (torch's file-system strategy names them)."""
+    return set(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
 
 
 def test_lifecycle_around_every_refit(deployment: StandInDeployment) -> None:

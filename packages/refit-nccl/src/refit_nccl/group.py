@@ -76,9 +76,10 @@ class GroupSpec:
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         name: the group's name (prefix of its store keys under refit's rendezvous).
         disarmed_timeout_s: timeout of calls made under a disarmed deadline.
-        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
-            ``"vllm"`` for a group that vLLM's stateless groups join
-            (:mod:`refit_nccl.rendezvous`; gloo only).
+        rendezvous: whose store keys and warm-up the group follows: ``"refit"``,
+            ``"vllm"`` for a group that vLLM's stateless groups join (gloo only), or
+            ``"sglang"`` for one that SGLang's ``init_custom_process_group`` joins
+            (:mod:`refit_nccl.rendezvous`).
         in_child: run the communicator in a child process that is killed at the deadline
             or on abort (:class:`~refit_nccl.child.ChildProcessGroup`; gloo only); build the
             group with :func:`~refit_nccl.child.make_group`.
@@ -250,7 +251,7 @@ class AbortableProcessGroup:
         construct_timeout = (
             timeout if self._traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
         )
-        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port)
+        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port, spec.backend)
         pg = self._traits.construct(
             PrefixStore(prefix, store), spec.rank, spec.world_size, construct_timeout, spec.host
         )
@@ -259,6 +260,8 @@ class AbortableProcessGroup:
     def _warm_up(self, deadline: Deadline) -> None:
         """The convention's one-element all-reduce; it must sum to what the convention says."""
         convention = self.spec.convention
+        if convention.warm_up_value is None:
+            return
         probe = torch.full((1,), convention.warm_up_value, device=self.device)
         self.all_reduce(probe, deadline)
         expected = convention.expected_warm_up(self.world_size)

@@ -3,8 +3,8 @@
 Each bucket is flattened into a buffer the engine can map (shared memory on CPU, CUDA IPC on
 GPU) by a :class:`~refit_sglang.sources.BucketSource` (one in-process policy, or trainer ranks
 gathering to the engine's first rank through Ray), passed to every engine's
-``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (one payload copy per
-tensor-parallel rank), and released as soon as every engine has answered. The last bucket carries the weight version; the cache is
+``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (one serialization per
+tensor-parallel rank: each is that rank's own reference), and released as soon as every engine has answered. The last bucket carries the weight version; the cache is
 flushed before generation continues.
 """
 
@@ -123,7 +123,10 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
         started = time.monotonic()
         nbytes = buckets = 0
         with paused(self._clients, options.pause_mode, deadline, options.control_timeout_s):
-            with closing(self.source.payloads(options.bucket_size_bytes, deadline)) as payloads:
+            copies = sum(client.tp_size for client in self._clients)
+            with closing(
+                self.source.payloads(options.bucket_size_bytes, copies, deadline)
+            ) as payloads:
                 for payload in payloads:
                     deadline.check(f"bucket {buckets} of version {version}")
                     self._send(payload, str(version) if payload.last else None, deadline)
@@ -145,10 +148,14 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
         )
 
     def _send(self, payload: Payload, weight_version: str | None, deadline: Deadline) -> None:
-        """Hand ``payload`` to every engine (its buffer lives until the source moves on)."""
+        """Hand ``payload`` to every engine, each rank its own serialization (the buffer
+        lives until the source moves on)."""
+        start = 0
         for client in self._clients:
+            own = payload.serialized[start : start + client.tp_size]
+            start += client.tp_size
             body: dict[str, object] = {
-                "serialized_named_tensors": [payload.serialized] * client.tp_size,
+                "serialized_named_tensors": list(own),
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
             }
