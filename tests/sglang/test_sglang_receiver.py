@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from remote_engines import RemoteDeployment, engine_processes, inspect
+from remote_engines import START_S, RemoteDeployment, engine_processes, inspect
 
 from refit_core import WeightSynchronizer, create_weight_synchronizer
 from refit_lab.conformance import RefitDeployment, SynchronizerConformance
@@ -19,7 +19,8 @@ from refit_lab.trainer import SimulatedTrainer
 from refit_sglang import SharedBuffers, iter_buckets
 from refit_sglang.protocol import REFIT_FIELDS
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(START_S + 300)
+"""The first test's bound includes starting the engine processes (the module's fixture)."""
 
 MODEL = ReferenceModelConfig(vocab_size=8192)
 """Embedding and head of 1 MiB each: a 1 MiB bucket size makes several calls per refit."""

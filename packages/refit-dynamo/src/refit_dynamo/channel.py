@@ -120,8 +120,8 @@ class DynamoRefitChannel:
     # -- refit -------------------------------------------------------------------------
 
     def prepare(self, state_dict_info: StateDictInfo) -> None:
-        """Build the update info (names, dtype names, shapes, packed) of later refits."""
-        self._update_info = update_info(state_dict_info, self._sender_spec)
+        """Build the update info (names, dtype names, shapes) of later refits."""
+        self._update_info = update_info(state_dict_info)
         logger.debug("prepared update info for %d tensors", len(state_dict_info))
 
     def client_copy(self) -> DynamoRefitChannel:
@@ -159,7 +159,7 @@ class DynamoRefitChannel:
                     join_worker,
                     self._client,
                     self._workers[index],
-                    init_payload(ip, port, offset, world_size),
+                    init_payload(ip, port, offset, world_size, self._sender_spec),
                 )
             )
         logger.info("asked %d Dynamo workers to join %s:%d", len(refs), ip, port)

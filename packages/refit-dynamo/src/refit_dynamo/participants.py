@@ -88,7 +88,9 @@ class DynamoRankParticipant(Participant):
             return done(plan.digest)
         self._channel.prepare(dict(request.state))
         group = request.group
-        payload = init_payload(group.host, group.port, group.rank, group.world_size)
+        payload = init_payload(
+            group.host, group.port, group.rank, group.world_size, self._channel.sender_spec
+        )
         self._in_flight = in_thread(
             join_worker, self._channel.admin, self._worker, payload, name=_THREAD
         )
