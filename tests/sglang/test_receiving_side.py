@@ -1,5 +1,8 @@
 """Both SGLang rows refit engines whose receiving side is SGLang's own code (sglang_code).
 
+(Not named test_sglang_*: ai-dynamo's pytest plugin silently drops such files where SGLang is
+missing, which would hide this tier's skips.)
+
 The engines run in processes of their own: payloads cross a process boundary and are
 unpickled by SGLang's ``MultiprocessingSerializer``; the disaggregated row's group is joined
 by SGLang's ``init_custom_process_group`` there.
