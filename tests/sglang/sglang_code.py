@@ -212,14 +212,14 @@ class SGLangCodeEngine:
             return {"success": True, "message": "", **self._inspect(route[len(_INSPECT) :], body)}
         try:
             validate_request(route, body)
-            parse_request(route, body)
+            request = parse_request(route, body)
         except ValueError as exc:
             return {"success": False, "message": f"refused: {exc}"}
         self.calls.append(
             (route, {k: v for k, v in body.items() if k != "serialized_named_tensors"})
         )
         try:
-            getattr(self, f"_{route}")(**body)
+            getattr(self, f"_{route}")(request)
         except Exception as exc:
             return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         return {"success": True, "message": "Succeeded"}
@@ -258,51 +258,48 @@ class SGLangCodeEngine:
             lambda _, p: p.call("commit", flush_cache=flush_cache, weight_version=weight_version)
         )
 
-    def _pause_generation(self, mode: str = "abort") -> None:
+    # Each route takes SGLang's parsed request struct (its defaults filled in); None for
+    # flush_cache.
+
+    def _pause_generation(self, request: Any) -> None:
         self.paused = True
 
-    def _continue_generation(self, torch_empty_cache: bool = True) -> None:
+    def _continue_generation(self, request: Any) -> None:
         self.paused = False
 
-    def _flush_cache(self, timeout_s: float | None = None) -> None:
+    def _flush_cache(self, request: None) -> None:
         self._commit(True, None)
 
-    def _update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str | bytes],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        **_: object,
-    ) -> None:
+    def _update_weights_from_tensor(self, request: Any) -> None:
         from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
 
-        if load_format != "flattened_bucket":
-            raise ValueError(f"refit sends load_format='flattened_bucket', not {load_format!r}")
-        payloads = normalize_serialized_named_tensor_payloads(serialized_named_tensors)
+        if request.load_format != "flattened_bucket":
+            raise ValueError(f"refit sends flattened buckets, not {request.load_format!r}")
+        payloads = normalize_serialized_named_tensor_payloads(request.serialized_named_tensors)
         self._on_ranks(lambda rank, p: p.call("load_payload", payload=payloads[rank]))
-        self._commit(flush_cache, weight_version)
+        self._commit(request.flush_cache, request.weight_version)
 
-    def _init_weights_update_group(self, **fields: Any) -> None:
+    def _init_weights_update_group(self, request: Any) -> None:
+        fields = {
+            name: getattr(request, name)
+            for name in ("master_address", "master_port", "rank_offset", "world_size")
+        }
+        fields.update(group_name=request.group_name, backend=request.backend)
         self._on_ranks(lambda _, p: p.call("init_group", **fields))
 
-    def _update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        **_: object,
-    ) -> None:
-        fields = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
-        self._on_ranks(lambda _, p: p.call("receive", load_format=load_format, **fields))
-        self._commit(flush_cache, weight_version)
+    def _update_weights_from_distributed(self, request: Any) -> None:
+        fields = {
+            "names": request.names,
+            "dtypes": request.dtypes,
+            "shapes": request.shapes,
+            "group_name": request.group_name,
+            "load_format": request.load_format,
+        }
+        self._on_ranks(lambda _, p: p.call("receive", **fields))
+        self._commit(request.flush_cache, request.weight_version)
 
-    def _destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self._on_ranks(lambda _, p: p.call("destroy_group", group_name=group_name))
+    def _destroy_weights_update_group(self, request: Any) -> None:
+        self._on_ranks(lambda _, p: p.call("destroy_group", group_name=request.group_name))
 
 
 def serve_in_child(config: dict[str, Any], seed: int, tp_size: int, results: Any) -> None:

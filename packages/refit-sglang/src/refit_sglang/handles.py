@@ -72,17 +72,7 @@ def serialize_bucket(bucket: FlattenedBucket) -> str:
     pickler = ForkingPickler(buffer)
     pickler.dispatch_table[torch.UntypedStorage] = _reduce_storage_by_name
     pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_uuid
-    metadata = [
-        SimpleNamespace(
-            name=s.name,
-            shape=s.shape,
-            dtype=s.dtype,
-            start_idx=s.start_idx,
-            end_idx=s.end_idx,
-            numel=s.numel,
-        )
-        for s in bucket.metadata
-    ]
+    metadata = [SimpleNamespace(**vars(slot)) for slot in bucket.metadata]
     pickler.dump({"flattened_tensor": bucket.flattened_tensor, "metadata": metadata})
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
