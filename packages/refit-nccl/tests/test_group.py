@@ -92,11 +92,14 @@ def test_spec_validation() -> None:
 
 
 def test_rendezvous_conventions() -> None:
-    refit, vllm = convention_of("refit"), convention_of("vllm")
-    assert refit.store_prefix("g", "127.0.0.1", 1234) == "g"
-    assert vllm.store_prefix("g", "127.0.0.1", 1234) == "tcp://127.0.0.1:1234"
-    assert vllm.store_prefix("g", "::1", 1234) == "tcp://[::1]:1234"
+    refit, vllm, sglang = convention_of("refit"), convention_of("vllm"), convention_of("sglang")
+    assert refit.store_prefix("g", "127.0.0.1", 1234, "gloo") == "g"
+    assert vllm.store_prefix("g", "127.0.0.1", 1234, "gloo") == "tcp://127.0.0.1:1234"
+    assert vllm.store_prefix("g", "::1", 1234, "gloo") == "tcp://[::1]:1234"
+    assert sglang.store_prefix("g", "127.0.0.1", 1234, "gloo") == "g/g//cpu/"
+    assert sglang.store_prefix("g", "127.0.0.1", 1234, "nccl") == "g/g//cuda/"
     assert refit.expected_warm_up(3) == 3.0 and vllm.expected_warm_up(3) == 0.0
+    assert sglang.warm_up_value is None
     with pytest.raises(ValueError, match="unknown rendezvous"):
         GroupSpec("127.0.0.1", 1234, 0, 2, rendezvous="mpi")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="known backend"):

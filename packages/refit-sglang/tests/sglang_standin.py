@@ -138,6 +138,7 @@ class StandInSGLang:
                     backend,  # type: ignore[arg-type]
                     group_name,
                     self.collective_timeout_s,
+                    rendezvous="sglang",  # the keys SGLang's init_custom_process_group uses
                 )
             )
             for tp_rank in range(self.tp_size)

@@ -135,14 +135,15 @@ class DynamoRefitChannel:
     # -- refit -------------------------------------------------------------------------
 
     def prepare(self, state_dict_info: StateDictInfo, *, vllm_nccl: bool = False) -> None:
-        """Build the update info (names, dtype names, shapes, packed) of later refits.
+        """Build the update info (names, dtype names, shapes) of later refits.
 
         Args:
             state_dict_info: the state, in transfer order.
             vllm_nccl: build it with the trainer's vLLM (workers on vLLM's NCCL data plane,
                 :func:`~refit_dynamo.protocol.update_info`).
         """
-        self._update_info = update_info(state_dict_info, self._sender_spec, vllm_nccl=vllm_nccl)
+        geometry = self._sender_spec if vllm_nccl else None
+        self._update_info = update_info(state_dict_info, vllm_nccl=geometry)
         logger.debug("prepared update info for %d tensors", len(state_dict_info))
 
     def client_copy(self) -> DynamoRefitChannel:
@@ -172,12 +173,16 @@ class DynamoRefitChannel:
                 f"{len(self._workers)} workers x engine_world_size {self._engine_world_size}"
             )
         self.check_membership()
-        clone = self.client_copy()
         refs = []
         for index in range(len(self._workers)):
             offset = self.rank_offset(index, train_world_size)
             refs.append(
-                submit(join_worker, clone, index, init_payload(ip, port, offset, world_size))
+                submit(
+                    join_worker,
+                    self._client,
+                    self._workers[index],
+                    init_payload(ip, port, offset, world_size, self._sender_spec),
+                )
             )
         logger.info("asked %d Dynamo workers to join %s:%d", len(refs), ip, port)
         return refs
@@ -195,8 +200,8 @@ class DynamoRefitChannel:
         """
         if self._update_info is None:
             raise RuntimeError("call prepare(state_dict_info) before update_weights()")
-        clone = self.client_copy()
-        return [submit(update_worker, clone, i, weight_version) for i in range(len(self._workers))]
+        info = dict(self._update_info)
+        return [submit(update_worker, self._client, w, info, weight_version) for w in self._workers]
 
     def flush_cache(self) -> bool:
         """Pause every worker (wait, clear cache) in parallel, resume those that paused.
@@ -216,10 +221,6 @@ class DynamoRefitChannel:
     def admin(self) -> AdminClient:
         """The pooled admin client of this copy."""
         return self._client
-
-    def post(self, index: int, route: str, payload: Mapping[str, Any], rpc: str = "") -> None:
-        """One admin call to worker ``index``."""
-        self._client.post(self._workers[index], route, payload, rpc=rpc)
 
     def check_membership(self) -> None:
         """Raise :class:`FleetChangedError` if ``validate_workers`` sees another fleet."""

@@ -36,10 +36,10 @@ class DynamoRankParticipant(DrivenRankParticipant):
     def __init__(self, channel: DynamoRefitChannel, index: int, local_rank: int) -> None:
         super().__init__(channel.workers[index].instance_id, local_rank, channel.sender_spec)
         self._channel = channel
-        self._index = index
+        self._worker = channel.workers[index]
 
     def _engine_key(self) -> Hashable:
-        return self._channel.workers[self._index]
+        return self._worker
 
     def _device_report(self) -> DeviceReport:
         return DeviceReport.only(self._channel.device)
@@ -53,15 +53,19 @@ class DynamoRankParticipant(DrivenRankParticipant):
             group.port,
             group.rank,
             group.world_size,
-            vllm_nccl=self._channel.sender_spec if vllm_nccl else None,
+            self._channel.sender_spec,
+            vllm_nccl=vllm_nccl,
         )
-        join_worker(self._channel, self._index, payload)
+        join_worker(self._channel.admin, self._worker, payload)
 
     def _update_engine(self, version: int) -> None:
-        update_worker(self._channel, self._index, version)
+        info = self._channel.update_info
+        if info is None:
+            raise RuntimeError(f"{self.label}: the channel carries no update info")
+        update_worker(self._channel.admin, self._worker, info, version)
 
     def _commit_engine(self, version: int) -> None:
-        flush_worker(self._channel, self._index)
+        flush_worker(self._channel.admin, self._worker)
 
 
 def dynamo_shards(channel: DynamoRefitChannel) -> dict[int, list[Participant]]:

@@ -84,10 +84,11 @@ class GroupSpec:
             connect from the devices they report (:func:`~refit_nccl.devices.choose_backend`).
         name: the group's name (prefix of its store keys under refit's rendezvous).
         disarmed_timeout_s: timeout of calls made under a disarmed deadline.
-        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
-            ``"vllm"`` for a group that vLLM's peers join (:mod:`refit_nccl.rendezvous`): on
-            gloo vLLM's stateless torch group, on ``nccl`` vLLM's own ``PyNcclCommunicator``
-            (:mod:`refit_nccl.vllm_native`, which needs vLLM importable here).
+        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, ``"vllm"``
+            for a group that vLLM's peers join (:mod:`refit_nccl.rendezvous`): on gloo vLLM's
+            stateless torch group, on ``nccl`` vLLM's own ``PyNcclCommunicator``
+            (:mod:`refit_nccl.vllm_native`, which needs vLLM importable here), or ``"sglang"``
+            for one that SGLang's ``init_custom_process_group`` joins.
         in_child: run the communicator in a child process that is killed at the deadline
             or on abort (:class:`~refit_nccl.child.ChildProcessGroup`; gloo only); build the
             group with :func:`~refit_nccl.child.make_group`.
@@ -116,8 +117,8 @@ class GroupSpec:
         if self.backend is not None:
             traits_for(self.backend, self.rendezvous)
         convention_of(self.rendezvous)
-        if self.rendezvous == "vllm" and self.backend is None:
-            raise ValueError("a vLLM peer joins a group of a known backend; name it")
+        if self.rendezvous != "refit" and self.backend is None:
+            raise ValueError(f"a {self.rendezvous} peer joins a group of a known backend; name it")
         if self.device is not None:
             native_backend(self.device)
         if self.in_child and self.backend != "gloo":
@@ -285,10 +286,11 @@ class AbortableProcessGroup:
             timeout=timeout,
             wait_for_workers=True,
         )
-        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port)
         if self._traits is None:
-            self._traits = self._agree_on_backend(PrefixStore(prefix, store))
+            agreeing = spec.convention.store_prefix(spec.name, spec.host, spec.port, None)
+            self._traits = self._agree_on_backend(PrefixStore(agreeing, store))
         traits = self._traits
+        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port, traits.name)
         construct_timeout = (
             timeout if traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
         )
@@ -326,6 +328,8 @@ class AbortableProcessGroup:
     def _warm_up(self, deadline: Deadline) -> None:
         """The convention's one-element all-reduce; it must sum to what the convention says."""
         convention = self.spec.convention
+        if convention.warm_up_value is None:
+            return
         probe = torch.full((1,), convention.warm_up_value, device=self.device)
         self.all_reduce(probe, deadline)
         expected = convention.expected_warm_up(self.world_size)

@@ -469,18 +469,23 @@ def _require_one_digest(gathered: Gathered) -> str:
 
 def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | None]]:
     """Who failed, the likely root cause first: a participant's own failure (a dead actor,
-    a refused geometry) before the peers that only lost it, then the silent ones."""
+    a refused geometry), then the silent ones (frozen or wedged), then the peers that only
+    timed out or were aborted because of them."""
 
-    def rank(error: BaseException) -> int:
+    def rank(error: BaseException | None) -> int:
+        if error is None:
+            return 1
         if isinstance(error, RefitAbortedError):
-            return 3
+            return 4
         if isinstance(error, RefitTimeoutError):
-            return 2
-        return 0 if not isinstance(error, RefitError) else 1
+            return 3
+        return 2 if isinstance(error, RefitError) else 0
 
-    failed = sorted(gathered.errors.items(), key=lambda item: rank(item[1]))
-    silent: list[tuple[Participant, BaseException | None]] = [(p, None) for p in gathered.missing]
-    return [*failed, *silent]
+    failed: list[tuple[Participant, BaseException | None]] = [
+        *gathered.errors.items(),
+        *((p, None) for p in gathered.missing),
+    ]
+    return sorted(failed, key=lambda item: rank(item[1]))
 
 
 def _one_line(error: BaseException | None) -> str:

@@ -7,7 +7,7 @@ from refit_sglang.clients import clients_for
 from refit_sglang.colocated import ColocatedOptions, ColocatedSGLangSynchronizer
 from refit_sglang.disaggregated import SGLangCollectiveSynchronizer
 from refit_sglang.engine_client import EngineClient
-from refit_sglang.handles import SharedBuffers, attach_shared
+from refit_sglang.handles import SharedBuffers, serialize_bucket
 from refit_sglang.lifecycle import PauseMode, check_pause_mode
 from refit_sglang.participants import EngineSettings, SGLangRankParticipant
 from refit_sglang.plan import DistributedPlan
@@ -43,11 +43,11 @@ __all__ = [
     "TrainerRank",
     "UnsupportedEngineError",
     "__version__",
-    "attach_shared",
     "build_colocated_synchronizer",
     "build_disaggregated_synchronizer",
     "check_pause_mode",
     "clients_for",
     "iter_buckets",
+    "serialize_bucket",
     "validate_request",
 ]

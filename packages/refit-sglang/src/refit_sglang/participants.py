@@ -162,22 +162,35 @@ class SGLangRankParticipant(Participant):
         return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
 
     def _refit(self, plan: DistributedPlan, group_name: str, version: int) -> None:
-        """Pause, receive every bucket, flush, and continue generation whatever happens."""
+        """Pause, receive every bucket, flush, and continue generation, unless the engine
+        may hold part of the new weights (then it stays paused: closed)."""
         never = Deadline.never()
         settings = self._settings
-        with paused([self._client], settings.pause_mode, never, settings.control_timeout_s):
-            for index, bucket in enumerate(plan.buckets):
-                body: dict[str, object] = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [s.dtype for _, s in bucket],
-                    "shapes": [list(s.shape) for _, s in bucket],
-                    "group_name": group_name,
-                    "flush_cache": False,
-                }
-                if index == len(plan.buckets) - 1:
-                    body["weight_version"] = str(version)
-                self._sglang("update_weights_from_distributed", body)
+        with paused(
+            [self._client], settings.pause_mode, never, settings.control_timeout_s
+        ) as closed:
+            try:
+                self._receive(plan, group_name, version)
+            except Exception:
+                # SGLang loads a bucket tensor by tensor: after a failed or unanswered
+                # update the engine may hold mixed weights, so it stays paused (closed).
+                closed.add(self._client)
+                raise
             flush_caches([self._client], never, settings.control_timeout_s)
+
+    def _receive(self, plan: DistributedPlan, group_name: str, version: int) -> None:
+        """One ``update_weights_from_distributed`` per bucket; the last carries ``version``."""
+        for index, bucket in enumerate(plan.buckets):
+            body: dict[str, object] = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [s.dtype for _, s in bucket],
+                "shapes": [list(s.shape) for _, s in bucket],
+                "group_name": group_name,
+                "flush_cache": False,
+            }
+            if index == len(plan.buckets) - 1:
+                body["weight_version"] = str(version)
+            self._sglang("update_weights_from_distributed", body)
 
     def _sglang(self, route: str, body: dict[str, object]) -> None:
         self._client.call(route, body, self._settings.control_timeout_s)
