@@ -44,6 +44,12 @@ class CallHandle(Protocol):
     def wait(self, timeout: timedelta) -> object: ...
 
 
+class RewaitableHandle(CallHandle, Protocol):
+    """A call whose ``wait`` may time out and be waited on again (gloo's collectives)."""
+
+    def is_completed(self) -> bool: ...
+
+
 class Communicator(Protocol):
     """The calls refit makes on a communicator (``ProcessGroupGloo``/``NCCL``, or
     :class:`~refit_nccl.child.ChildCommunicator`)."""

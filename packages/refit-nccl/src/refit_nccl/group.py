@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +34,14 @@ from torch._C._distributed_c10d import (
 from torch.distributed import DistStoreError
 
 from refit_core import Deadline, ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
-from refit_nccl.backends import Backend, BackendTraits, CallHandle, Communicator, traits_for
+from refit_nccl.backends import (
+    Backend,
+    BackendTraits,
+    CallHandle,
+    Communicator,
+    RewaitableHandle,
+    traits_for,
+)
 from refit_nccl.devices import DeviceReport, DeviceType, choose_backend, native_backend
 from refit_nccl.rendezvous import Convention, Rendezvous, convention_of
 from refit_nccl.watchdog import Watchdog
@@ -455,14 +463,17 @@ class AbortableProcessGroup:
         Raises:
             RefitAbortedError: the group was aborted while the call ran.
         """
+        ends = time.monotonic() + self._timeout(call.deadline, call.what).total_seconds()
         while True:
-            left = self._timeout(call.deadline, call.what)
-            wait_s = min(left.total_seconds(), _ABORT_POLL_S)
+            left_s = ends - time.monotonic()
+            wait_s = min(left_s, _ABORT_POLL_S)
             try:
                 work.wait(timedelta(seconds=max(wait_s, _MIN_WAIT_S)))
                 return
-            except RuntimeError as exc:
-                if wait_s >= left.total_seconds() or "timed out" not in str(exc).lower():
+            except RuntimeError:
+                # The call itself ended (failed or timed out by the group's own timeout),
+                # or the whole wait is spent: nothing more to wait for.
+                if wait_s >= left_s or cast(RewaitableHandle, work).is_completed():
                     raise
             cause = self._abort_cause
             if cause is not None:
