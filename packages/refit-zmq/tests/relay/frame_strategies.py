@@ -7,8 +7,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import FIELDS, PROTOCOL, Kind, encode
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import FIELDS, PROTOCOL, Kind, encode
 
 _SIGNER = Signer(None)
 _IDS = st.from_regex(r"[A-Za-z0-9_.:@/+-]{0,130}", fullmatch=True)

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import zmq
 
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.forwarder import ChildLink, Forward
-from refit_zmq.relay.frames import Kind, Message, encode, parse
-from refit_zmq.relay.link import Link
-from refit_zmq.relay.staging import StagedPayload
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.node.forwarder import ChildLink, Forward
+from refit_zmq.relay.node.staging import StagedPayload
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.link import Link
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,8 +12,8 @@ from frame_strategies import frame_lists
 from hypothesis import event, given, settings
 
 from refit_core.errors import AuthenticationError, ProtocolError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
 
 FUZZ_EXAMPLES = 10_000 if os.environ.get("REFIT_HYPOTHESIS_PROFILE") == "full" else 400
 NO_KEY = Signer(None)

@@ -12,7 +12,7 @@ from relay_helpers import KiB, MiB, Trainer, digests, make_state
 from refit_core.errors import ChecksumMismatchError, GeometryMismatchError, ProtocolError
 from refit_core.types import WeightVersion
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload
-from refit_zmq.relay.payload_stream import PayloadStream
+from refit_zmq.relay.apply.payload_stream import PayloadStream
 
 
 @pytest.fixture(params=["resync", "delta"])

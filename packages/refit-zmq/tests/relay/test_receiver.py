@@ -22,7 +22,7 @@ from refit_zmq.relay import (
     TensorReceiver,
     TransferConflictError,
 )
-from refit_zmq.relay.receiver import as_receiver
+from refit_zmq.relay.apply.receiver import as_receiver
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from relay_helpers import KiB, MiB, RelayFleet, RelaySpec
 
 from refit_core.errors import RefitError
 from refit_zmq.relay import RelayCoordinator, RelayTuning, ZmqSparseRefitClient
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, encode
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, encode
 
 pytestmark = pytest.mark.timeout(120)
 logger = logging.getLogger(__name__)

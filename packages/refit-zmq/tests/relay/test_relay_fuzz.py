@@ -17,8 +17,8 @@ from relay_helpers import TUNING, RelayFleet, RelaySpec, digests, fresh_trainer,
 
 from refit_core.errors import ProtocolError
 from refit_zmq.relay import RelayCoordinator
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, parse
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, parse
 
 LIVE_EXAMPLES = 2_000 if os.environ.get("REFIT_HYPOTHESIS_PROFILE") == "full" else 150
 REQUESTS = {Kind.BEGIN, Kind.DATA, Kind.FLUSH, Kind.COMMIT, Kind.ABORT, Kind.STATUS, Kind.CONFIGURE}

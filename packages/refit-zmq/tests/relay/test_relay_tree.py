@@ -29,9 +29,9 @@ from refit_zmq.relay import (
     run_transfer,
     stream_sparse_delta_payloads_via_zmq,
 )
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.control import ControlChannel
-from refit_zmq.relay.frames import Kind
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.control import ControlChannel
+from refit_zmq.relay.wire.frames import Kind
 
 pytestmark = pytest.mark.timeout(240)
 

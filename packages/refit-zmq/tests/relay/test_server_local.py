@@ -20,9 +20,9 @@ from refit_zmq.relay import (
     deliver_payloads,
     new_transfer_id,
 )
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, encode
-from refit_zmq.relay.link import LinkSettings
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, encode
+from refit_zmq.relay.wire.link import LinkSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -30,7 +30,7 @@ from refit_zmq.relay import (
     TransferResult,
     run_transfer,
 )
-from refit_zmq.relay.auth import api_key_from_env
+from refit_zmq.relay.wire.auth import api_key_from_env
 from refit_zmq.tracker import TrackerConfig
 
 __all__ = ["API_KEY_ENV", "ZmqSparseOptions", "ZmqSparseWeightSynchronizer"]

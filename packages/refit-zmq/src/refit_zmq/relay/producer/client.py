@@ -19,12 +19,12 @@ import zmq
 
 from refit_core.errors import RefitTimeoutError
 from refit_zmq.codec.format import BytesLike, DeltaPayload
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import RETRYABLE, NackCode, error_for_nack
-from refit_zmq.relay.frames import Kind, Message, encode
-from refit_zmq.relay.link import Link, LinkSettings
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import RETRYABLE, NackCode, error_for_nack
+from refit_zmq.relay.wire.frames import Kind, Message, encode
+from refit_zmq.relay.wire.link import Link, LinkSettings
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ZmqSparseRefitClient"]
 

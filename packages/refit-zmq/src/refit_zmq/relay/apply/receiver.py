@@ -1,7 +1,7 @@
 """What a relay applies payloads to: apply, then commit or roll back one transfer at a time.
 
 :class:`TensorReceiver` applies delta payloads in place to a receiver's tensors as their bytes
-arrive (:class:`~refit_zmq.relay.payload_stream.PayloadStream`), with the codec's undo log kept
+arrive (:class:`~refit_zmq.relay.apply.payload_stream.PayloadStream`), with the codec's undo log kept
 per transfer, so a transfer that fails anywhere in the tree is rolled back bit for bit, and
 only a committed transfer moves the receiver's version.
 """
@@ -20,8 +20,8 @@ from refit_core.errors import ProtocolError
 from refit_core.types import WeightVersion
 from refit_zmq.codec import ItemHeader, UndoLog, tensor_digest
 from refit_zmq.codec.undo_arena import UndoArena
-from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
-from refit_zmq.relay.payload_stream import ByteViews, PayloadStream, StreamResult
+from refit_zmq.relay.apply.payload_stream import ByteViews, PayloadStream, StreamResult
+from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError
 
 __all__ = ["PayloadSink", "Receiver", "StreamingReceiver", "TensorReceiver", "as_receiver"]
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from refit_core.errors import ProtocolError
 from refit_zmq.codec.format import BytesLike
-from refit_zmq.relay.errors import NackCode
+from refit_zmq.relay.wire.errors import NackCode
 
 if TYPE_CHECKING:
-    from refit_zmq.relay.auth import Signer
+    from refit_zmq.relay.wire.auth import Signer
 
 __all__ = [
     "MAX_HEADER_BYTES",

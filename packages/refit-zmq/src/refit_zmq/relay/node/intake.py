@@ -2,7 +2,7 @@
 
 Runs on the relay's event loop. A payload is admitted when it fits the staging budget,
 forwarded to the children of its tree chunk by chunk as the chunks arrive, handed to the
-receiver as they arrive too (:mod:`~refit_zmq.relay.local_apply`), acknowledged only after the
+receiver as they arrive too (:mod:`~refit_zmq.relay.node.local_apply`), acknowledged only after the
 receiver finished it, and released once it is applied and streamed to every child.
 """
 
@@ -17,20 +17,20 @@ from typing import Any
 import zmq
 
 from refit_core.errors import ProtocolError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode, TransferConflictError, code_for_error
-from refit_zmq.relay.forwarder import ChildLink, Forward
-from refit_zmq.relay.frames import Kind, Message
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.ledger import Ledger
-from refit_zmq.relay.link import LinkSettings
-from refit_zmq.relay.local_apply import LocalApply
-from refit_zmq.relay.receiver import Receiver
-from refit_zmq.relay.replies import Replies, payload_ids
-from refit_zmq.relay.staging import PayloadKey, Pending, StagedPayload, Staging
-from refit_zmq.relay.topology import Topology
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.apply.receiver import Receiver
+from refit_zmq.relay.node.forwarder import ChildLink, Forward
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.ledger import Ledger
+from refit_zmq.relay.node.local_apply import LocalApply
+from refit_zmq.relay.node.replies import Replies, payload_ids
+from refit_zmq.relay.node.staging import PayloadKey, Pending, StagedPayload, Staging
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import NackCode, TransferConflictError, code_for_error
+from refit_zmq.relay.wire.frames import Kind, Message
+from refit_zmq.relay.wire.link import LinkSettings
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["PayloadIntake"]
 

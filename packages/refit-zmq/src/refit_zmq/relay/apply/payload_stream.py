@@ -45,7 +45,7 @@ from refit_zmq.codec import (
     unpack_buffer,
 )
 from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
-from refit_zmq.relay.verify import check_held, draw_picks, entry_positions
+from refit_zmq.relay.apply.verify import check_held, draw_picks, entry_positions
 
 __all__ = ["ByteViews", "PayloadStream", "StreamResult"]
 

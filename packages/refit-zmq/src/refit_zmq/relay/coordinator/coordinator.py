@@ -25,12 +25,12 @@ from refit_core.errors import (
     StaleBaseError,
     VerificationError,
 )
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.control import ControlChannel, Reply
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.frames import Kind
-from refit_zmq.relay.tree import RelayTree
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.control import ControlChannel, Reply
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.frames import Kind
+from refit_zmq.relay.wire.tree import RelayTree
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["RelayCoordinator", "TransferOutcome", "new_transfer_id"]
 

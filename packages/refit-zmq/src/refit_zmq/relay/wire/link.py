@@ -19,11 +19,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
 from refit_zmq.codec.format import BytesLike
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode
-from refit_zmq.relay.frames import MAX_HEADER_BYTES, Kind, Message, parse
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import NackCode
+from refit_zmq.relay.wire.frames import MAX_HEADER_BYTES, Kind, Message, parse
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["Link", "LinkSettings", "socket_options"]
 

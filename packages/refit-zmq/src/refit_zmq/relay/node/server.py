@@ -1,8 +1,8 @@
 """The relay: a ROUTER in front of a local receiver that applies, acknowledges and forwards.
 
 One event-loop thread owns every socket: it validates each message and hands it to the
-payload path (:mod:`~refit_zmq.relay.intake`) or the transaction path
-(:mod:`~refit_zmq.relay.transactions`). One receiver thread runs the receiver, so an ACK is
+payload path (:mod:`~refit_zmq.relay.node.intake`) or the transaction path
+(:mod:`~refit_zmq.relay.node.transactions`). One receiver thread runs the receiver, so an ACK is
 sent only after the payload is applied locally, and the loop never waits for it. Malformed,
 unauthenticated or unexpected input is answered with a NACK and never stops the loop.
 PROTOCOL.md specifies the messages and the transfer state machine.
@@ -24,21 +24,21 @@ from typing import Any
 import zmq
 
 from refit_core.errors import AuthenticationError, ProtocolError, RefitError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode, code_for_error
-from refit_zmq.relay.frames import MAX_HEADER_BYTES, Kind, Message, parse, reply_ids
-from refit_zmq.relay.intake import PayloadIntake
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.ledger import Ledger
-from refit_zmq.relay.link import socket_options
-from refit_zmq.relay.receiver import Receiver, as_receiver
-from refit_zmq.relay.replies import PAYLOAD_FIELDS, Replies
-from refit_zmq.relay.staging import Staging
-from refit_zmq.relay.subtree import Respond, SubtreeFlush
-from refit_zmq.relay.topology import Topology
-from refit_zmq.relay.transactions import TransferControl
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.apply.receiver import Receiver, as_receiver
+from refit_zmq.relay.node.intake import PayloadIntake
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.ledger import Ledger
+from refit_zmq.relay.node.replies import PAYLOAD_FIELDS, Replies
+from refit_zmq.relay.node.staging import Staging
+from refit_zmq.relay.node.subtree import Respond, SubtreeFlush
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.node.transactions import TransferControl
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import NackCode, code_for_error
+from refit_zmq.relay.wire.frames import MAX_HEADER_BYTES, Kind, Message, parse, reply_ids
+from refit_zmq.relay.wire.link import socket_options
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ZmqSparseRefitServer"]
 
@@ -72,7 +72,7 @@ class ZmqSparseRefitServer:
 
     Args:
         apply_payload: the receiver (an object with ``apply``, ``commit``, ``rollback`` and
-            ``status``, see :class:`~refit_zmq.relay.receiver.Receiver`) or its bound ``apply``.
+            ``status``, see :class:`~refit_zmq.relay.apply.receiver.Receiver`) or its bound ``apply``.
         bind_address: where the ROUTER binds (default: loopback, an ephemeral port).
         api_key_env_var: the environment variable holding the API key (None: no key).
         timeout_s: how long a child, a sender or a queued BEGIN may stay silent.

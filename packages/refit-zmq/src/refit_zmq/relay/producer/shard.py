@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from refit_core.protocols import PolicyLike
 from refit_zmq.codec import tensor_digest
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.streaming import stream_sparse_delta_payloads_via_zmq
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.producer.streaming import stream_sparse_delta_payloads_via_zmq
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.tuning import RelayTuning
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
 __all__ = ["ShardProducer", "StreamOrder", "TransferOptions"]

@@ -18,10 +18,10 @@ import torch
 
 from refit_core.types import NamedTensor, WeightVersion
 from refit_zmq.codec import DeltaPayload
-from refit_zmq.relay.auth import api_key_from_env
-from refit_zmq.relay.client import ZmqSparseRefitClient
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.producer.client import ZmqSparseRefitClient
+from refit_zmq.relay.wire.auth import api_key_from_env
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.tuning import RelayTuning
 from refit_zmq.tracker import DeltaCompressionTracker
 
 __all__ = ["deliver_payloads", "stream_sparse_delta_payloads_via_zmq"]

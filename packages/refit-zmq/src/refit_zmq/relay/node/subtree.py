@@ -21,12 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.control import ControlChannel, Reply
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.frames import Kind
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.control import ControlChannel, Reply
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.frames import Kind
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["CHILD_SHARE", "Respond", "SubtreeFlush"]
 

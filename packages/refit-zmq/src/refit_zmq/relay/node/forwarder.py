@@ -23,12 +23,12 @@ from typing import Any, Protocol
 import zmq
 
 from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.errors import RETRYABLE, NackCode
-from refit_zmq.relay.frames import Kind, Message, encode, parse
-from refit_zmq.relay.link import Link
-from refit_zmq.relay.staging import PayloadKey, StagedPayload
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.node.staging import PayloadKey, StagedPayload
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.errors import RETRYABLE, NackCode
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.link import Link
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ChildLink", "Forward", "ForwardEvents"]
 

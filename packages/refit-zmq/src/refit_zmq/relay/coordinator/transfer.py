@@ -1,6 +1,6 @@
 """One whole transfer: every producer streams its shard at once, then the coordinator decides.
 
-Producers are :class:`~refit_zmq.relay.producer.ShardProducer` objects reached as
+Producers are :class:`~refit_zmq.relay.producer.shard.ShardProducer` objects reached as
 participants (Ray actors on the trainer ranks, or objects in this process). Their trackers
 commit their baselines only after the coordinator committed the transfer on the relays; on
 any failure they are aborted, so the next transfer is again a delta against the version
@@ -16,8 +16,12 @@ from dataclasses import dataclass
 
 from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
 from refit_core.participants import Participant, gather
-from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
-from refit_zmq.relay.producer import StreamOrder, TransferOptions
+from refit_zmq.relay.coordinator.coordinator import (
+    RelayCoordinator,
+    TransferOutcome,
+    new_transfer_id,
+)
+from refit_zmq.relay.producer.shard import StreamOrder, TransferOptions
 
 __all__ = ["TransferResult", "run_transfer"]
 

@@ -13,16 +13,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from refit_zmq.relay.errors import StaleTransferError, TransferConflictError, code_for_error
-from refit_zmq.relay.frames import Message
-from refit_zmq.relay.intake import PayloadIntake
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.ledger import Ledger, TransferRecord
-from refit_zmq.relay.receiver import Receiver
-from refit_zmq.relay.replies import Replies
-from refit_zmq.relay.staging import Staging
-from refit_zmq.relay.subtree import Respond, SubtreeFlush
-from refit_zmq.relay.topology import Topology
+from refit_zmq.relay.apply.receiver import Receiver
+from refit_zmq.relay.node.intake import PayloadIntake
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.ledger import Ledger, TransferRecord
+from refit_zmq.relay.node.replies import Replies
+from refit_zmq.relay.node.staging import Staging
+from refit_zmq.relay.node.subtree import Respond, SubtreeFlush
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError, code_for_error
+from refit_zmq.relay.wire.frames import Message
 
 __all__ = ["Respond", "TransferControl"]
 

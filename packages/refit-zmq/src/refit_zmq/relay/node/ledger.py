@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
+from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError
 
 __all__ = ["Ledger", "TransferRecord"]
 

@@ -1,6 +1,6 @@
 """A relay's local apply: staged payloads go to its receiver in admission order, as they arrive.
 
-A :class:`~refit_zmq.relay.receiver.StreamingReceiver` gets each payload's chunks while they
+A :class:`~refit_zmq.relay.apply.receiver.StreamingReceiver` gets each payload's chunks while they
 come in, in payload order, one payload after the other (so the undo data of payloads that
 overlap stays in write order), and finishes a payload once its last byte was fed. Any other
 receiver gets each payload whole through ``apply``. Every receiver call runs on the receiver
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver
-from refit_zmq.relay.replies import payload_ids
-from refit_zmq.relay.staging import StagedPayload
+from refit_zmq.relay.apply.receiver import PayloadSink, Receiver, StreamingReceiver
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.replies import payload_ids
+from refit_zmq.relay.node.staging import StagedPayload
 
 __all__ = ["Applied", "LocalApply"]
 
