@@ -12,7 +12,7 @@ from refit_zmq.relay.node.forwarder import ChildLink, Forward
 from refit_zmq.relay.node.staging import StagedPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
-from refit_zmq.relay.wire.link import Link
+from refit_zmq.relay.wire.link import Link, LinkSettings
 from refit_zmq.relay.wire.tuning import RelayTuning
 
 pytestmark = pytest.mark.timeout(30)
@@ -83,7 +83,7 @@ def test_chunks_are_forwarded_as_they_arrive(
     router, address, context = child
     events = Events()
     link = ChildLink(
-        Link(context, address, signer=NO_KEY, curve=None, hwm=16),
+        Link(context, address, LinkSettings(NO_KEY, None, RelayTuning(hwm_messages=16))),
         signer=NO_KEY,
         events=events,
         timeout_s=2.0,

@@ -142,7 +142,7 @@ def test_a_payload_whose_sender_goes_quiet_half_way_is_undone(
     ids = {"transfer_id": transfer_id, "producer_id": "p", "payload_id": "0"}
     common = {**ids, "checksum": payload.checksum, "total_bytes": payload.nbytes, "hops": 0}
     unsigned = Signer(None)
-    link = LinkSettings(unsigned, None, TUNING.hwm_messages).open(zmq.Context.instance(), address)
+    link = LinkSettings(unsigned, None, TUNING).open(zmq.Context.instance(), address)
     try:
         begin = encode(Kind.BEGIN, {**common, "verification_candidates": 0}, unsigned)
         link.send(begin, until=time.monotonic() + 3)

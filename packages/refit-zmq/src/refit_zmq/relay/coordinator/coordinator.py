@@ -147,6 +147,7 @@ class RelayCoordinator:
                 "configure_tree failed on " + "; ".join(f"{a}: {e}" for a, e in errors.items())
             )
         self._tree = tree
+        self._channel.retain(tree.relays)
         logger.info("tree %s over %d relays (fanout %d)", tree.tree_id, len(relays), tree.fanout)
         return tree.tree_id
 

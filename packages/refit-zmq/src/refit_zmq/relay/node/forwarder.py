@@ -133,8 +133,10 @@ class ChildLink:
         self.pump()
 
     def pump(self) -> None:
-        """Send whatever can be sent now."""
+        """Send whatever can be sent now (called on every turn of the relay's loop, which
+        also drains the link's monitor while the link is being established)."""
         try:
+            self._link.poll_events()
             self._pump()
         except (AuthenticationError, RefitTimeoutError) as exc:
             self._fail_all(str(exc))

@@ -120,6 +120,7 @@ class ZmqSparseRefitServer:
             router,
             hwm=self._tuning.hwm_messages,
             max_message_bytes=max(self._tuning.chunk_bytes, MAX_HEADER_BYTES) + 64,
+            tuning=self._tuning,
         )
         if self._curve is not None:
             self._curve.secure_server(router)

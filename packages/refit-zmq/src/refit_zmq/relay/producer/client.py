@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import RefitTimeoutError
+from refit_core.errors import AuthenticationError, RefitTimeoutError
 from refit_zmq.codec.format import BytesLike, DeltaPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig
@@ -163,6 +163,9 @@ class ZmqSparseRefitClient:
                 time.sleep(self._tuning.backoff(attempt - 1))
             try:
                 reply = self._attempt(link, key, begin, common, frames)
+            except AuthenticationError:
+                link.reset()
+                raise
             except _NoReplyError as exc:
                 logger.warning(
                     "relay %s: payload %s attempt %d timed out (%s); reconnecting",

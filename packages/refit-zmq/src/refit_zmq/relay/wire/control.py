@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +168,7 @@ class ControlChannel:
         try:
             reply = link.receive(ours, until=time.monotonic())
         except AuthenticationError as exc:
+            link.reset()
             replies[address] = exc
             return
         if reply is None:
@@ -181,6 +182,12 @@ class ControlChannel:
             relay=reply.text("relay"),
             what=f"{call.kind} {call.fields.get('transfer_id', '')}".strip(),
         )
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Close the links to every relay not in ``addresses`` (linger 0): a link to an
+        address that left the tree would otherwise reconnect to it forever."""
+        for address in [a for a in self._links if a not in addresses]:
+            self._links.pop(address).close()
 
     def close(self) -> None:
         """Close every socket."""
