@@ -25,9 +25,12 @@ from refit_core.types import WeightVersion
 from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
+    AbortReply,
+    CommitReply,
     CurveConfig,
     PayloadSink,
     RelayCoordinator,
+    RelayStatus,
     RelayTuning,
     ShardProducer,
     TensorReceiver,
@@ -115,11 +118,11 @@ class FaultyReceiver(TensorReceiver):
             self._fail_once.discard(method)
             raise RuntimeError(f"injected {method} failure")
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
+    def commit(self, transfer_id: str) -> CommitReply:
         self._maybe_fail("commit")
         return super().commit(transfer_id)
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
+    def rollback(self, transfer_id: str) -> AbortReply:
         self._maybe_fail("rollback")
         return super().rollback(transfer_id)
 
@@ -302,9 +305,9 @@ def fresh_trainer(
 ) -> Trainer:
     """A trainer on ``make_state(seed)``; every relay is first brought to it by a dense resync."""
     versions = [
-        status["version"]
-        for status in coordinator.reconcile().values()
-        if isinstance(status, dict) and status["version"] is not None
+        status.version
+        for status in coordinator.close_open_transfers().values()
+        if isinstance(status, RelayStatus) and status.version is not None
     ]
     trainer = Trainer(make_state(seed), max(versions, default=0), shard_count)
     trainer.transfer(coordinator, resync=True, **transfer)
@@ -314,6 +317,6 @@ def fresh_trainer(
 def held_digests(coordinator: RelayCoordinator) -> dict[str, dict[str, int] | None]:
     """Relay -> the digests it holds (None for a relay that did not answer)."""
     return {
-        address: status["digests"] if isinstance(status, dict) else None
+        address: dict(status.digests or {}) if isinstance(status, RelayStatus) else None
         for address, status in coordinator.status(digests=True).items()
     }

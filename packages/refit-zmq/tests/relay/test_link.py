@@ -18,7 +18,7 @@ import zmq
 from relay_helpers import TUNING, fresh_trainer, make_state
 
 from refit_core.errors import RefitTimeoutError
-from refit_zmq.relay import RelayCoordinator, TensorReceiver, ZmqSparseRefitServer
+from refit_zmq.relay import RelayCoordinator, RelayStatus, TensorReceiver, ZmqSparseRefitServer
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode
 from refit_zmq.relay.wire.link import Link, LinkSettings
@@ -125,7 +125,7 @@ def test_relays_and_the_coordinator_keep_answering_after_a_relay_died() -> None:
         coordinator.configure_tree(addresses[:1])
         time.sleep(IDLE_S)
         status = coordinator.status()[addresses[0]]
-        assert isinstance(status, dict), f"the survivor went deaf: {status}"
+        assert isinstance(status, RelayStatus), f"the survivor went deaf: {status}"
     finally:
         coordinator.close()
         survivor.close()

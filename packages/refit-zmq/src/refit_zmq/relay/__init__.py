@@ -13,13 +13,15 @@ Every public name is importable from here.
 
 from refit_zmq.relay.apply.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
 from refit_zmq.relay.coordinator.coordinator import (
+    DECISION_GRACE_S,
     RelayCoordinator,
-    TransferOutcome,
+    Statuses,
     new_transfer_id,
 )
+from refit_zmq.relay.coordinator.outcome import TransferOutcome
 from refit_zmq.relay.coordinator.transfer import TransferResult, run_transfer
 from refit_zmq.relay.node.server import ZmqSparseRefitServer
-from refit_zmq.relay.producer.client import ZmqSparseRefitClient
+from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
 from refit_zmq.relay.producer.shard import ShardProducer, StreamOrder, TransferOptions
 from refit_zmq.relay.producer.streaming import (
     deliver_payloads,
@@ -33,28 +35,61 @@ from refit_zmq.relay.wire.errors import (
     TreeMismatchError,
 )
 from refit_zmq.relay.wire.frames import PROTOCOL
+from refit_zmq.relay.wire.reports import (
+    AbortReply,
+    ApplyResult,
+    ChildCounts,
+    CommitReply,
+    Failure,
+    FlushReport,
+    LedgerOpen,
+    OutcomeReply,
+    ReceiverOpen,
+    ReceiverStatus,
+    RelayStatus,
+    SubtreeReport,
+    TransferState,
+    TreeReply,
+)
 from refit_zmq.relay.wire.tree import RelayTree
 from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = [
+    "DECISION_GRACE_S",
     "PROTOCOL",
+    "AbortReply",
+    "Acknowledged",
+    "ApplyResult",
+    "ChildCounts",
+    "CommitReply",
     "CurveConfig",
+    "Failure",
+    "FlushReport",
+    "LedgerOpen",
     "NackCode",
+    "OutcomeReply",
     "PayloadSink",
     "Receiver",
+    "ReceiverOpen",
+    "ReceiverStatus",
     "RelayCoordinator",
+    "RelayStatus",
     "RelayTree",
     "RelayTuning",
     "ShardProducer",
     "StaleTransferError",
+    "Statuses",
     "StreamOrder",
     "StreamingReceiver",
+    "SubtreeReport",
     "TensorReceiver",
     "TransferConflictError",
     "TransferOptions",
     "TransferOutcome",
     "TransferResult",
+    "TransferState",
     "TreeMismatchError",
+    "TreeReply",
     "ZmqSparseRefitClient",
     "ZmqSparseRefitServer",
     "deliver_payloads",

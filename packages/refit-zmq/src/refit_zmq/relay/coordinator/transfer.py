@@ -14,13 +14,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
+from refit_core.deadline import Deadline
+from refit_core.errors import EngineState, RefitError, RefitTimeoutError, WorkerError
 from refit_core.participants import Participant, gather
 from refit_zmq.relay.coordinator.coordinator import (
+    DECISION_GRACE_S,
     RelayCoordinator,
-    TransferOutcome,
     new_transfer_id,
 )
+from refit_zmq.relay.coordinator.outcome import TransferOutcome
 from refit_zmq.relay.producer.shard import StreamOrder, TransferOptions
 
 __all__ = ["TransferResult", "run_transfer"]
@@ -55,39 +57,60 @@ def run_transfer(
     resync: bool,
     options: TransferOptions,
     expected_digests: Mapping[str, int] | None = None,
-    wait_s: float | None = None,
+    deadline: Deadline | None = None,
+    shards: Mapping[str, int] | None = None,
 ) -> TransferResult:
     """Let every producer stream (concurrently, each rooted at its own relay) and finish.
 
     Args:
-        wait_s: longest wait for the producers' streams (the refit's deadline); a producer
-            still streaming then is named as wedged.
+        deadline: the refit's deadline: it travels with every payload (a relay aborts a
+            transfer it has not prepared by then), and bounds the producers' streams (a
+            producer still streaming then is named as wedged), the flush and the delivery
+            of the decision (see :meth:`RelayCoordinator.finish`).
+        shards: relay address -> its shard index, for the error (default: tree order).
 
     Raises:
         RefitError: a producer or a relay failed; the transfer was aborted everywhere, every
-            tracker too, and the error names the relays or producers that failed.
+            tracker too, and the error names the relays or producers that failed, with every
+            relay's state (:meth:`TransferOutcome.error`).
     """
+    deadline = deadline or Deadline.never()
+    shards = shards or {address: i for i, address in enumerate(coordinator.relays)}
     transfer_id = new_transfer_id(target_version)
-    order = StreamOrder(transfer_id, coordinator.relays, target_version, resync, options)
+    order = StreamOrder(
+        transfer_id, coordinator.relays, target_version, resync, options, deadline.remaining_s()
+    )
     started = time.monotonic()
-    streams = gather({p: p.call("refit_stream", order) for p in producers}, wait_s)
+    streams = gather({p: p.call("refit_stream", order) for p in producers}, deadline.remaining_s())
     streamed = time.monotonic()
     if not streams.ok:
         logger.warning("transfer %s: a producer failed; aborting", transfer_id)
-        coordinator.abort(transfer_id)
+        decisions, errors = coordinator.abort(transfer_id, deadline=deadline)
         answered = [p for p in producers if p not in streams.missing]
-        _settle(answered, commit=False, wait_s=options.timeout_s)
-        raise _producer_error(streams.errors, [p.label for p in streams.missing], wait_s)
+        _settle(answered, commit=False, wait_s=_settle_s(options, deadline))
+        aborted = TransferOutcome(transfer_id, False, {}, (), decisions, errors)
+        missing = [p.label for p in streams.missing]
+        raise _producer_error(streams.errors, missing, aborted, shards)
     stats = [streams.results[p] for p in producers]
     outcome = coordinator.finish(
-        transfer_id, sum(s["payloads"] for s in stats), expected_digests=expected_digests
+        transfer_id,
+        sum(s["payloads"] for s in stats),
+        expected_digests=expected_digests,
+        deadline=deadline,
     )
-    unsettled = _settle(producers, commit=outcome.committed, wait_s=options.timeout_s)
+    unsettled = _settle(producers, commit=outcome.committed, wait_s=_settle_s(options, deadline))
     if not outcome.committed:
-        raise outcome.error()
+        raise outcome.error(shards, target=target_version)
     return TransferResult(
         outcome, stats, streamed - started, time.monotonic() - streamed, unsettled
     )
+
+
+def _settle_s(options: TransferOptions, deadline: Deadline) -> float:
+    """How long producers may take to settle their trackers: one reply's timeout, and never
+    past the decision's grace after the deadline."""
+    left = deadline.remaining_s()
+    return options.timeout_s if left is None else min(options.timeout_s, left + DECISION_GRACE_S)
 
 
 def _settle(
@@ -106,18 +129,40 @@ def _settle(
 
 
 def _producer_error(
-    errors: Mapping[Participant, BaseException], missing: Sequence[str], wait_s: float | None
+    errors: Mapping[Participant, BaseException],
+    missing: Sequence[str],
+    aborted: TransferOutcome,
+    shards: Mapping[str, int],
 ) -> RefitError:
-    """The error a failed stream raises: a producer's own refit error first, else a timeout
-    naming the producers that never answered, else the first failure (a dead rank) named."""
-    own = next((e for e in errors.values() if isinstance(e, RefitError)), None)
-    if own is not None:
-        return own
+    """The error a failed stream raises: a timeout naming the producers still streaming at
+    the deadline, else the first producer's failure (a relay's refusal it met, or a dead
+    rank) named; with every relay's state after the abort, the producer's error as cause."""
+    engines = aborted.engines(shards)
+    unknown = [e.worker for e in engines if e.state is EngineState.UNKNOWN]
     if missing:
         return RefitTimeoutError(
-            f"producers {list(missing)} still streaming after {wait_s} s", wedged_workers=missing
+            f"producers {list(missing)} still streaming at the refit's deadline; "
+            f"transfer {aborted.transfer_id} aborted",
+            engines=engines,
+            wedged_workers=[*missing, *unknown],
         )
     participant, error = next(iter(errors.items()))
-    return WorkerError(
-        f"{type(error).__name__}: {error}", worker=participant.label, operation="refit_stream"
-    )
+    failed: RefitError
+    if isinstance(error, RefitError) and not isinstance(error, WorkerError):
+        first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        failed = type(error)(
+            f"{participant.label} could not stream transfer {aborted.transfer_id}: {first_line}",
+            recovery=error.recovery,
+            engines=engines,
+            wedged_workers=unknown,
+        )
+    else:
+        failed = WorkerError(
+            f"{type(error).__name__}: {error}",
+            worker=participant.label,
+            operation=f"refit_stream (transfer {aborted.transfer_id} aborted)",
+            engines=engines,
+            wedged_workers=unknown,
+        )
+    failed.__cause__ = error
+    return failed

@@ -73,11 +73,14 @@ class ForwardEvents(Protocol):
     def released(self, forward: Forward) -> None:
         """The child link no longer needs the payload's staged bytes."""
 
-    def acked(self, child: str, forward: Forward, result: dict[str, Any]) -> None:
+    def acked(self, child: str, forward: Forward) -> None:
         """The child applied the payload."""
 
     def failed(self, child: str, forward: Forward, code: str, message: str) -> None:
         """The child refused the payload, or stopped answering."""
+
+    def deadline_s(self, transfer_id: str) -> float | None:
+        """Seconds left of the transfer's deadline (None: it has none)."""
 
 
 class ChildLink:
@@ -192,6 +195,7 @@ class ChildLink:
             "producer_id": producer_id,
             "payload_id": payload_id,
             "total_bytes": staged.total_bytes,
+            "deadline_s": self._events.deadline_s(transfer_id),
         }
         if not self._send(encode(Kind.BEGIN, fields, self._signer)):
             return False
@@ -282,7 +286,7 @@ class ChildLink:
         NACK before READY: BEGIN again after a backoff), so the caller keeps it in place."""
         if message.kind is Kind.ACK:
             self._release(forward)
-            self._events.acked(self.address, forward, message.mapping("result"))
+            self._events.acked(self.address, forward)
             return False
         if message.kind is not Kind.NACK:
             return False

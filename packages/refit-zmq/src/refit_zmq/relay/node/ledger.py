@@ -2,7 +2,10 @@
 
 The ledger enforces the transport's half of the transaction rules: one open transfer at a
 time, finished transfer ids refused, a payload id admitted once per transfer (the same id
-with another checksum refused), and versions that only move forward.
+with another checksum refused), versions that only move forward, and each transfer's
+deadline (kept on this relay's monotonic clock, from the seconds left that its BEGIN
+carried). A transfer is open until it is committed or aborted; once this relay answered a
+FLUSH complete it is *prepared*, and from then on only a decision ends it.
 """
 
 from __future__ import annotations
@@ -10,19 +13,27 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError
+from refit_zmq.relay.wire.reports import (
+    ApplyResult,
+    ChildCounts,
+    Failure,
+    FlushReport,
+    LedgerOpen,
+    TransferState,
+)
 
 __all__ = ["Ledger", "TransferRecord"]
 
 _FINISHED_KEPT = 1024
 
-Failure = dict[str, Any]
+PayloadRef = tuple[str, str]
+"""``(producer_id, payload_id)`` within a transfer."""
 
 
 @dataclass
-class _ChildCounts:
+class _Counts:
     forwarded: int = 0
     acked: int = 0
     failed: int = 0
@@ -30,60 +41,97 @@ class _ChildCounts:
 
 @dataclass
 class TransferRecord:
-    """What one relay did for one transfer."""
+    """What one relay did for one transfer.
+
+    Attributes:
+        deadline: the ``time.monotonic()`` instant of the transfer's deadline here (None:
+            it carries none).
+        active_at: when a message about the transfer last arrived or one of its payloads
+            last settled (an open transfer idle for the relay's timeout is aborted).
+    """
 
     transfer_id: str
     target: int | None
-    state: str = "open"
+    state: TransferState = TransferState.OPEN
+    deadline: float | None = None
     started_at: float = field(default_factory=time.monotonic)
-    checksums: dict[tuple[str, str], str] = field(default_factory=dict)
-    results: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    failed: set[tuple[str, str]] = field(default_factory=set)
+    active_at: float = field(default_factory=time.monotonic)
+    settled_at: float | None = None
+    checksums: dict[PayloadRef, str] = field(default_factory=dict)
+    results: dict[PayloadRef, ApplyResult] = field(default_factory=dict)
+    failed: set[PayloadRef] = field(default_factory=set)
     failures: list[Failure] = field(default_factory=list)
     duplicates: int = 0
     bytes_received: int = 0
     bytes_forwarded: int = 0
     apply_s: float = 0.0
-    last_applied_at: float | None = None
-    children: dict[str, _ChildCounts] = field(default_factory=dict)
+    children: dict[str, _Counts] = field(default_factory=dict)
 
-    def child(self, address: str) -> _ChildCounts:
+    @property
+    def live(self) -> bool:
+        """Open or prepared: not finished."""
+        return self.state in (TransferState.OPEN, TransferState.PREPARED)
+
+    def overdue(self, now: float) -> bool:
+        """Whether the transfer's deadline has passed."""
+        return self.deadline is not None and now >= self.deadline
+
+    def deadline_left(self, now: float) -> float | None:
+        """Seconds left until the deadline (0 once passed; None without one)."""
+        return None if self.deadline is None else max(0.0, self.deadline - now)
+
+    def touch(self, now: float) -> None:
+        """A message about the transfer arrived."""
+        self.active_at = now
+
+    def child(self, address: str) -> _Counts:
         """Counters of one child."""
-        return self.children.setdefault(address, _ChildCounts())
+        return self.children.setdefault(address, _Counts())
 
-    def fail(
-        self,
-        relay: str,
-        code: str,
-        message: str,
-        key: tuple[str, str] | None = None,
-        *,
-        local: bool,
-    ) -> None:
+    def settle(self, now: float) -> None:
+        """A payload settled here (applied or failed)."""
+        self.settled_at = self.active_at = now
+
+    def fail(self, failure: Failure, *, local: bool) -> None:
         """Record a failure of this relay (``local``) or of one of its children."""
-        failure: Failure = {"relay": relay, "code": code, "message": message}
-        if key is not None:
-            failure["producer_id"], failure["payload_id"] = key
-            if local:
-                self.failed.add(key)
+        if local and failure.producer_id is not None and failure.payload_id is not None:
+            self.failed.add((failure.producer_id, failure.payload_id))
         self.failures.append(failure)
 
-    def report(self, relay: str) -> dict[str, Any]:
-        """The flush report: payloads, bytes, timings, children and every failure."""
-        elapsed = None if self.last_applied_at is None else self.last_applied_at - self.started_at
-        return {
-            "relay": relay,
-            "transfer_id": self.transfer_id,
-            "state": self.state,
-            "applied": len(self.results),
-            "duplicates": self.duplicates,
-            "bytes_received": self.bytes_received,
-            "bytes_forwarded": self.bytes_forwarded,
-            "apply_s": self.apply_s,
-            "elapsed_s": elapsed,
-            "children": {a: vars(c) for a, c in self.children.items()},
-            "failures": list(self.failures),
-        }
+    def report(
+        self, relay: str, *, complete: bool, expected: int, version: int | None, now: float
+    ) -> FlushReport:
+        """The flush report (without digests)."""
+        end = self.settled_at if self.settled_at is not None else now
+        return FlushReport(
+            relay=relay,
+            transfer_id=self.transfer_id,
+            state=self.state,
+            complete=complete,
+            expected=expected,
+            applied=len(self.results),
+            duplicates=self.duplicates,
+            bytes_received=self.bytes_received,
+            bytes_forwarded=self.bytes_forwarded,
+            apply_s=self.apply_s,
+            elapsed_s=max(0.0, end - self.started_at),
+            version=version,
+            children={
+                a: ChildCounts(c.forwarded, c.acked, c.failed) for a, c in self.children.items()
+            },
+            failures=tuple(self.failures),
+        )
+
+    def summary(self, now: float) -> LedgerOpen:
+        """The open transfer as STATUS reports it."""
+        return LedgerOpen(
+            self.transfer_id,
+            self.target,
+            self.state,
+            self.deadline_left(now),
+            len(self.results),
+            len(self.failures),
+        )
 
 
 class Ledger:
@@ -100,41 +148,64 @@ class Ledger:
             return self.current
         return self._finished.get(transfer_id)
 
-    def open(self, transfer_id: str, target: int | None) -> TransferRecord:
+    def state(self, transfer_id: str) -> TransferState:
+        """What became of ``transfer_id`` here (``unknown`` when never seen, or forgotten)."""
+        record = self.record(transfer_id)
+        return TransferState.UNKNOWN if record is None else record.state
+
+    def open(
+        self, transfer_id: str, target: int, deadline_s: float | None, now: float
+    ) -> TransferRecord:
         """The open record of ``transfer_id``, opening it if no other transfer is open.
+
+        Args:
+            transfer_id: the transfer a BEGIN names.
+            target: the version it brings receivers to.
+            deadline_s: seconds left of its deadline as the sender saw it (None: none);
+                the record keeps the earliest deadline it was given.
+            now: ``time.monotonic()``.
 
         A payload against another base is not refused here: the relay still forwards it to
         its subtree, and the receiver refuses to apply it (STALE_BASE).
 
         Raises:
-            StaleTransferError: the transfer is finished, or ``target`` does not advance.
+            StaleTransferError: the transfer is finished or past its deadline, or ``target``
+                does not advance.
             TransferConflictError: another transfer is open, or another target.
         """
         finished = self._finished.get(transfer_id)
         if finished is not None:
             raise StaleTransferError(f"transfer {transfer_id} is already {finished.state}")
-        if target is not None and self.version is not None and target <= self.version:
+        if self.version is not None and target <= self.version:
             raise StaleTransferError(
                 f"transfer {transfer_id} targets version {target}, relay holds {self.version}"
             )
+        if deadline_s is not None and deadline_s <= 0:
+            raise StaleTransferError(f"transfer {transfer_id} is past its deadline")
+        deadline = None if deadline_s is None else now + deadline_s
         current = self.current
         if current is None:
-            self.current = TransferRecord(transfer_id, target)
+            self.current = TransferRecord(transfer_id, target, deadline=deadline)
             return self.current
         if current.transfer_id != transfer_id:
             raise TransferConflictError(
                 f"transfer {current.transfer_id} is still open; {transfer_id} must wait"
             )
-        if target is not None and current.target not in (None, target):
+        if current.overdue(now):
+            raise StaleTransferError(f"transfer {transfer_id} is past its deadline")
+        if current.target != target:
             raise TransferConflictError(
                 f"transfer {transfer_id} targets {target} and {current.target}"
             )
-        current.target = current.target if target is None else target
+        if deadline is not None and (current.deadline is None or deadline < current.deadline):
+            current.deadline = deadline
+        current.touch(now)
         return current
 
-    def finish(self, transfer_id: str, state: str, version: int | None) -> None:
-        """Close ``transfer_id`` as ``state`` ("committed" or "aborted")."""
+    def finish(self, transfer_id: str, state: TransferState, version: int | None) -> bool:
+        """Close ``transfer_id`` as ``state`` (committed or aborted); whether it was live."""
         record = self.record(transfer_id) or TransferRecord(transfer_id, None)
+        was_live = record.live and self.current is record
         record.state = state
         if self.current is record:
             self.current = None
@@ -143,3 +214,4 @@ class Ledger:
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
         self.version = version
+        return was_live

@@ -1,32 +1,60 @@
-"""A relay's side of the two phases: FLUSH (prepared?), then COMMIT or ABORT, and STATUS.
+"""A relay's side of the two phases: FLUSH (prepared?), then COMMIT or ABORT; STATUS, OUTCOME,
+and what a relay decides alone when nobody decides for it.
 
 Runs on the relay's event loop; receiver calls go through the receiver thread, and their
 answers are sent when they return.
+
+On its own (:meth:`TransferControl.expire`, on every turn of the loop and before every
+message is handled), a relay aborts an open transfer it has not prepared once the transfer's
+deadline passed or nothing happened to it for the relay's ``timeout_s``; a prepared transfer
+it never aborts alone: once its decision is overdue (deadline passed, or ``timeout_s`` since
+it prepared) it asks every other relay of its tree what became of the transfer (OUTCOME),
+commits if one committed it, aborts if one aborted it, and asks again later otherwise. A
+rollback the receiver failed is retried until it succeeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
+from refit_core.errors import ProtocolError
 from refit_zmq.relay.apply.receiver import Receiver
 from refit_zmq.relay.node.intake import PayloadIntake
 from refit_zmq.relay.node.jobs import ReceiverJobs
 from refit_zmq.relay.node.ledger import Ledger, TransferRecord
+from refit_zmq.relay.node.peers import PeerRequests
 from refit_zmq.relay.node.replies import Replies
 from refit_zmq.relay.node.staging import Staging
-from refit_zmq.relay.node.subtree import Respond, SubtreeFlush
+from refit_zmq.relay.node.subtree import SubtreeFlush
 from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.wire.control import Reply
 from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError, code_for_error
-from refit_zmq.relay.wire.frames import Message
+from refit_zmq.relay.wire.frames import Kind, Message
+from refit_zmq.relay.wire.reports import (
+    AbortReply,
+    CommitReply,
+    Failure,
+    FlushReport,
+    OutcomeReply,
+    ReceiverStatus,
+    RelayStatus,
+    SubtreeReport,
+    TransferState,
+)
 
 __all__ = ["Respond", "TransferControl"]
 
 logger = logging.getLogger(__name__)
+
+Respond = Callable[[FlushReport], None]
+"""Gets a settled flush report."""
+
+_MIN_ASK_S = 0.5
 
 
 @dataclass(eq=False)
@@ -44,7 +72,13 @@ def _request_ids(message: Message) -> dict[str, str]:
 
 
 class TransferControl:
-    """Answers FLUSH once a transfer is settled here, and runs COMMIT, ABORT and STATUS."""
+    """Answers FLUSH once a transfer is settled here, runs COMMIT, ABORT, STATUS and OUTCOME,
+    and ends transfers nobody ended (see the module docstring).
+
+    Args:
+        timeout_s: the relay's timeout: an open transfer idle this long is aborted, a
+            prepared one without a decision this long makes the relay ask its peers.
+    """
 
     def __init__(
         self,
@@ -56,7 +90,8 @@ class TransferControl:
         intake: PayloadIntake,
         topology: Topology,
         replies: Replies,
-        subtree: SubtreeFlush,
+        peers: PeerRequests,
+        timeout_s: float,
     ) -> None:
         self._receiver = receiver
         self._jobs = jobs
@@ -65,17 +100,27 @@ class TransferControl:
         self._intake = intake
         self._topology = topology
         self._replies = replies
-        self._subtree = subtree
+        self._peers = peers
+        self._subtree = SubtreeFlush(peers)
+        self._timeout_s = timeout_s
+        self._ask_every_s = max(_MIN_ASK_S, timeout_s / 4)
         self._flushes: list[_FlushWaiter] = []
+        self._asking = False
+        self._next_ask = 0.0
+        self._unrolled: dict[str, float] = {}
 
     # -- flush ---------------------------------------------------------------------------
 
     def flush(
         self, transfer_id: str, expected: int, wait_s: float, digests: bool, respond: Respond
     ) -> None:
-        """Call ``respond(report)`` once the transfer is settled here, or after ``wait_s``."""
-        deadline = time.monotonic() + wait_s
-        self._flushes.append(_FlushWaiter(transfer_id, expected, deadline, digests, respond))
+        """Call ``respond(report)`` once the transfer is settled here, or after ``wait_s``
+        (or at the transfer's deadline, if that comes first)."""
+        now = time.monotonic()
+        record = self._ledger.record(transfer_id)
+        if record is not None and record.live:
+            record.touch(now)
+        self._flushes.append(_FlushWaiter(transfer_id, expected, now + wait_s, digests, respond))
         self.check_flushes()
 
     def on_flush(self, identity: bytes, message: Message) -> None:
@@ -83,8 +128,8 @@ class TransferControl:
         request_id = message.text("request_id")
         wait_s = message.seconds("wait_s")
 
-        def respond(report: dict[str, Any]) -> None:
-            self._replies.done(identity, request_id, report)
+        def respond(report: FlushReport | SubtreeReport) -> None:
+            self._replies.done(identity, request_id, report.to_json())
 
         self.flush(
             message.text("transfer_id"),
@@ -94,7 +139,7 @@ class TransferControl:
             self.with_subtree(wait_s, respond) if message.flag("subtree") else respond,
         )
 
-    def with_subtree(self, wait_s: float, respond: Respond) -> Respond:
+    def with_subtree(self, wait_s: float, respond: Callable[[SubtreeReport], None]) -> Respond:
         """A responder that first gathers the subtree's reports around this relay's own, the
         whole answer within ``wait_s`` from now."""
         deadline = time.monotonic() + wait_s
@@ -104,7 +149,7 @@ class TransferControl:
         record = self._ledger.record(waiter.transfer_id)
         if record is None:
             return waiter.expected == 0
-        if record.state != "open":
+        if not record.live:
             return True
         settled = len(record.results) + len(record.failed)
         return settled >= waiter.expected and not self._intake.in_flight(waiter.transfer_id)
@@ -113,80 +158,99 @@ class TransferControl:
         """Answer every flush whose transfer settled or whose wait ran out."""
         now = time.monotonic()
         for waiter in list(self._flushes):
-            complete = self._settled(waiter)
-            if not complete and now < waiter.deadline:
+            record = self._ledger.record(waiter.transfer_id)
+            due = waiter.deadline
+            if record is not None and record.deadline is not None:
+                due = min(due, record.deadline)
+            settled = self._settled(waiter)
+            if not settled and now < due:
                 continue
             self._flushes.remove(waiter)
-            report = self._report(waiter, complete)
+            report = self._report(waiter, record, settled, now)
             if waiter.digests:
                 self._with_digests(report, waiter.respond)
             else:
                 waiter.respond(report)
 
-    def _with_digests(self, report: dict[str, Any], respond: Respond) -> None:
+    def _with_digests(self, report: FlushReport, respond: Respond) -> None:
         receiver = self._receiver
 
-        def answer(future: Future[dict[str, Any]]) -> None:
-            error = future.exception()
-            digests = None if error is not None else future.result()["digests"]
-            respond({**report, "digests": digests})
+        def answer(future: Future[ReceiverStatus]) -> None:
+            held = None if future.exception() is not None else future.result().digests
+            respond(dataclasses.replace(report, digests=held))
 
         self._jobs.submit(lambda: receiver.status(digests=True), answer)
 
-    def _report(self, waiter: _FlushWaiter, complete: bool) -> dict[str, Any]:
-        record = self._ledger.record(waiter.transfer_id)
+    def _report(
+        self, waiter: _FlushWaiter, record: TransferRecord | None, settled: bool, now: float
+    ) -> FlushReport:
+        own = self._topology.own
+        version = self._ledger.version
         if record is None:
-            record = TransferRecord(waiter.transfer_id, None, state="unknown")
-        report = record.report(self._topology.own)
-        report.update(complete=complete, expected=waiter.expected, version=self._ledger.version)
-        if not complete:
-            report["failures"].append(
-                {
-                    "relay": self._topology.own,
-                    "code": "TIMEOUT",
-                    "message": f"{report['applied']} of {waiter.expected} payloads applied "
-                    "when the flush ran out of time (a dead or frozen parent or child?)",
-                }
+            record = TransferRecord(waiter.transfer_id, None, state=TransferState.UNKNOWN)
+            record.started_at = now
+        extra: list[Failure] = []
+        if not settled:
+            extra.append(
+                Failure(
+                    own,
+                    "TIMEOUT",
+                    f"{len(record.results)} of {waiter.expected} payloads applied when the "
+                    "flush ran out of time (a dead or frozen parent or child?)",
+                )
             )
-        return report
+        elif record.state is TransferState.ABORTED and not record.failures:
+            extra.append(Failure(own, "STALE_TRANSFER", "the transfer was aborted here"))
+        report = record.report(
+            own, complete=False, expected=waiter.expected, version=version, now=now
+        )
+        failures = (*report.failures, *extra)
+        complete = settled and not failures and record.state is not TransferState.ABORTED
+        if complete and record.state is TransferState.OPEN:
+            record.state = TransferState.PREPARED
+            record.touch(now)
+        return dataclasses.replace(report, complete=complete, failures=failures, state=record.state)
 
     # -- decisions -----------------------------------------------------------------------
 
-    def _answer(self, identity: bytes, message: Message) -> Callable[[Future[Any]], None]:
-        """A continuation that answers DONE with the receiver's result, or NACK."""
+    def _answer(self, identity: bytes, message: Message) -> Callable[[Future[object]], None]:
+        """A continuation that answers NACK with a failed job's error."""
         request_id = message.text("request_id")
 
-        def answer(future: Future[dict[str, Any]]) -> None:
+        def answer(future: Future[object]) -> None:
             error = future.exception()
             if error is not None:
                 ids = _request_ids(message)
                 self._replies.nack(identity, code_for_error(error), str(error), ids)
-            else:
-                self._replies.done(identity, request_id, future.result())
+                return
+            result = future.result()
+            assert hasattr(result, "to_json")
+            self._replies.done(identity, request_id, result.to_json())
 
         return answer
 
     def on_commit(self, identity: bytes, message: Message) -> None:
-        """COMMIT: the receiver keeps the transfer's bits and adopts its version."""
+        """COMMIT: the receiver keeps the transfer's bits and adopts its version; only for a
+        transfer this relay prepared (answered a FLUSH complete)."""
         transfer_id = message.text("transfer_id")
         record = self._ledger.record(transfer_id)
-        if record is not None and record.state == "aborted":
+        if record is not None and record.state is TransferState.ABORTED:
             raise StaleTransferError(f"transfer {transfer_id} was aborted; it cannot commit")
-        if (
-            record is not None
-            and record.state == "open"
-            and (record.failures or self._intake.in_flight(transfer_id))
-        ):
+        if record is not None and record.state is TransferState.OPEN:
             raise TransferConflictError(
-                f"transfer {transfer_id} is not prepared here (failures or payloads in flight)"
+                f"transfer {transfer_id} is not prepared here (no FLUSH answered complete)"
             )
-        receiver = self._receiver
-        answer = self._answer(identity, message)
+        self._commit(transfer_id, self._answer(identity, message))
 
-        def committed(future: Future[dict[str, Any]]) -> None:
+    def _commit(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
+        receiver = self._receiver
+
+        def committed(future: Future[object]) -> None:
             if future.exception() is None:
-                self._ledger.finish(transfer_id, "committed", future.result()["version"])
-            answer(future)
+                reply = future.result()
+                assert isinstance(reply, CommitReply)
+                self._ledger.finish(transfer_id, TransferState.COMMITTED, reply.version)
+            then(future)
 
         self._jobs.submit(lambda: receiver.commit(transfer_id), committed)
 
@@ -194,29 +258,157 @@ class TransferControl:
         """ABORT: drop the transfer's payloads and roll the receiver back."""
         transfer_id = message.text("transfer_id")
         record = self._ledger.record(transfer_id)
-        if record is not None and record.state == "committed":
+        if record is not None and record.state is TransferState.COMMITTED:
             raise StaleTransferError(f"transfer {transfer_id} is committed; it cannot abort")
+        self._abort(transfer_id, self._answer(identity, message))
+
+    def _abort(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
+        """Drop everything of the transfer, finish it as aborted, roll the receiver back
+        (retried later if the receiver fails); ``then`` gets the :class:`AbortReply`."""
         self._intake.drop(transfer_id)
-        self._ledger.finish(transfer_id, "aborted", self._ledger.version)
+        was_live = self._ledger.finish(transfer_id, TransferState.ABORTED, self._ledger.version)
         receiver = self._receiver
-        self._jobs.submit(lambda: receiver.rollback(transfer_id), self._answer(identity, message))
+        self._unrolled.pop(transfer_id, None)
+
+        def rolled_back(future: Future[object]) -> None:
+            error = future.exception()
+            if error is not None:
+                logger.warning(
+                    "relay %s: rollback of %s failed: %s", self._topology.own, transfer_id, error
+                )
+                self._unrolled[transfer_id] = time.monotonic() + self._ask_every_s
+                then(future)
+                return
+            reply = future.result()
+            assert isinstance(reply, AbortReply)
+            answered: Future[object] = Future()
+            answered.set_result(dataclasses.replace(reply, aborted=was_live))
+            then(answered)
+
+        self._jobs.submit(lambda: receiver.rollback(transfer_id), rolled_back)
         self.check_flushes()
 
     def on_status(self, identity: bytes, message: Message) -> None:
-        """STATUS: the receiver's version and open transfer, the relay's staging."""
-        receiver = self._receiver
-        digests = message.flag("digests")
-        current = self._ledger.current
-        answer = self._answer(identity, message)
+        """STATUS: the receiver's version and open transfer, the ledger's, the staging."""
+        request_id = message.text("request_id")
 
-        def with_relay(future: Future[dict[str, Any]]) -> None:
-            if future.exception() is None:
-                future.result().update(
-                    transfer=None if current is None else current.transfer_id,
+        def answer(status: RelayStatus | BaseException) -> None:
+            if isinstance(status, RelayStatus):
+                self._replies.done(identity, request_id, status.to_json())
+            else:
+                ids = _request_ids(message)
+                self._replies.nack(identity, code_for_error(status), str(status), ids)
+
+        self.status(message.flag("digests"), answer)
+
+    def status(self, digests: bool, respond: Callable[[RelayStatus | BaseException], None]) -> None:
+        """Read the receiver's status and the ledger's together; ``respond`` on the loop."""
+        receiver = self._receiver
+
+        def with_relay(future: Future[ReceiverStatus]) -> None:
+            error = future.exception()
+            if error is not None:
+                respond(error)
+                return
+            held = future.result()
+            current = self._ledger.current
+            respond(
+                RelayStatus(
+                    relay=self._topology.own,
+                    version=held.version,
+                    open=held.open,
+                    transfer=None if current is None else current.summary(time.monotonic()),
                     tree=self._topology.tree_id,
                     staged_bytes=self._staging.reserved_bytes,
                     peak_staged_bytes=self._staging.peak_bytes,
+                    digests=held.digests,
                 )
-            answer(future)
+            )
 
         self._jobs.submit(lambda: receiver.status(digests=digests), with_relay)
+
+    def on_outcome(self, identity: bytes, message: Message) -> None:
+        """OUTCOME: what became of a transfer here, from the ledger."""
+        transfer_id = message.text("transfer_id")
+        reply = OutcomeReply(transfer_id, self._ledger.state(transfer_id))
+        self._replies.done(identity, message.text("request_id"), reply.to_json())
+
+    # -- on its own ----------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        """End what nobody ended (see the module docstring)."""
+        record = self._ledger.current
+        if record is not None and record.state is TransferState.OPEN:
+            idle = now - record.active_at > self._timeout_s
+            busy = self._intake.in_flight(record.transfer_id) or any(
+                w.transfer_id == record.transfer_id for w in self._flushes
+            )
+            if record.overdue(now) or (idle and not busy):
+                self._abort_alone(record, now)
+        elif record is not None and record.state is TransferState.PREPARED:
+            overdue = record.overdue(now) or now - record.active_at > self._timeout_s
+            if overdue and not self._asking and now >= self._next_ask:
+                self._ask_peers(record.transfer_id)
+        for transfer_id, retry_at in list(self._unrolled.items()):
+            if now >= retry_at:
+                self._abort(transfer_id, lambda future: None)
+
+    def _abort_alone(self, record: TransferRecord, now: float) -> None:
+        why = (
+            "its deadline passed"
+            if record.overdue(now)
+            else (f"nothing happened to it for {self._timeout_s:.1f} s")
+        )
+        logger.warning(
+            "relay %s: transfer %s not prepared and %s; aborting it here",
+            self._topology.own,
+            record.transfer_id,
+            why,
+        )
+        record.fail(
+            Failure(self._topology.own, "DEADLINE", f"aborted by the relay: {why}"), local=True
+        )
+        self._abort(record.transfer_id, lambda future: None)
+
+    def _ask_peers(self, transfer_id: str) -> None:
+        tree = self._topology.tree
+        peers = [] if tree is None else [a for a in tree.relays if a != self._topology.own]
+        self._next_ask = time.monotonic() + self._ask_every_s
+        if not peers:
+            return
+        self._asking = True
+        logger.info(
+            "relay %s: no decision on prepared transfer %s; asking %d peers",
+            self._topology.own,
+            transfer_id,
+            len(peers),
+        )
+        requests = {peer: (Kind.OUTCOME, {"transfer_id": transfer_id}) for peer in peers}
+
+        def heard(replies: dict[str, Reply]) -> None:
+            self._asking = False
+            self._next_ask = time.monotonic() + self._ask_every_s
+            states = set()
+            for reply in replies.values():
+                if isinstance(reply, dict):
+                    try:
+                        states.add(OutcomeReply.from_json(reply).state)
+                    except ProtocolError:
+                        continue
+            record = self._ledger.current
+            if record is None or record.transfer_id != transfer_id:
+                return
+            if record.state is not TransferState.PREPARED:
+                return
+            if TransferState.COMMITTED in states:
+                logger.warning(
+                    "relay %s: a peer committed %s; committing", self._topology.own, transfer_id
+                )
+                self._commit(transfer_id, lambda future: None)
+            elif TransferState.ABORTED in states:
+                logger.warning(
+                    "relay %s: a peer aborted %s; aborting", self._topology.own, transfer_id
+                )
+                self._abort(transfer_id, lambda future: None)
+
+        self._peers.send(requests, within_s=min(self._timeout_s, self._ask_every_s), then=heard)
