@@ -276,7 +276,7 @@ class PayloadIntake:
                     f"after {self._timeout_s:.1f} s without a chunk"
                 )
                 record.fail(self._failure("TIMEOUT", text, key), local=True)
-                record.settle(now)
+                record.settle(now, active=False)
             for child in self.children.values():
                 child.drop(key.__eq__)
             staged.applied = True

@@ -88,9 +88,12 @@ class TransferRecord:
         """Counters of one child."""
         return self.children.setdefault(address, _Counts())
 
-    def settle(self, now: float) -> None:
-        """A payload settled here (applied or failed)."""
-        self.settled_at = self.active_at = now
+    def settle(self, now: float, *, active: bool = True) -> None:
+        """A payload settled here: applied or refused (``active``), or dropped because its
+        sender went quiet (which is no sign of life)."""
+        self.settled_at = now
+        if active:
+            self.active_at = now
 
     def fail(self, failure: Failure, *, local: bool) -> None:
         """Record a failure of this relay (``local``) or of one of its children."""
