@@ -329,22 +329,28 @@ class ChildLink:
             self._events.failed(self.address, forward, "UNREACHABLE", reason)
 
     def drop(self, match: Callable[[PayloadKey], bool]) -> None:
-        """Forget the payloads whose key ``match`` accepts (aborted, or stalled upstream)."""
-        if self._current is not None and match(self._current.key):
-            self._release(self._current)
-            self._current = None
-            self._link.reset()
-        for forward in [f for f in self._queue if match(f.key)]:
-            self._queue.remove(forward)
-            self._release(forward)
+        """Forget the payloads whose key ``match`` accepts (aborted, or stalled upstream).
+
+        They are taken off first and released after: a release may admit another payload,
+        which comes back here through :meth:`add`."""
+        dropped = [f for f in self._queue if match(f.key)]
+        self._queue = deque(f for f in self._queue if not match(f.key))
         for key in [k for k in self._unacked if match(k)]:
             del self._unacked[key]
+        current = self._current
+        if current is not None and match(current.key):
+            self._current = None
+            self._link.reset()
+            dropped.insert(0, current)
+        for forward in dropped:
+            self._release(forward)
 
     def close(self) -> None:
         """Drop everything and close the socket."""
-        for forward in list(self._all()):
-            self._release(forward)
+        forwards = list(self._all())
         self._current = None
         self._queue.clear()
         self._unacked.clear()
         self._link.close()
+        for forward in forwards:
+            self._release(forward)

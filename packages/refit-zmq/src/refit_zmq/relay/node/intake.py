@@ -249,17 +249,17 @@ class PayloadIntake:
 
     def drop(self, transfer_id: str) -> None:
         """Forget everything of an aborted transfer; queued senders are told."""
-        for child in self.children.values():
-            child.drop(lambda key: key[0] == transfer_id)
-        for staged in self._staging.of_transfer(transfer_id):
-            staged.applied = True
-            self._staging.release(staged)
-            self._local.drop(staged)
         for pending in self._staging.drop_pending(transfer_id):
             text = f"transfer {transfer_id} was aborted"
             self._replies.nack(
                 pending.route, NackCode.STALE_TRANSFER, text, payload_ids(pending.key)
             )
+        for child in list(self.children.values()):
+            child.drop(lambda key: key[0] == transfer_id)
+        for staged in self._staging.of_transfer(transfer_id):
+            staged.applied = True
+            self._staging.release(staged)
+            self._local.drop(staged)
         self.admit_waiting()
 
     def expire(self, now: float) -> None:

@@ -265,8 +265,8 @@ class TransferControl:
     def _abort(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
         """Drop everything of the transfer, finish it as aborted, roll the receiver back
         (retried later if the receiver fails); ``then`` gets the :class:`AbortReply`."""
-        self._intake.drop(transfer_id)
         was_live = self._ledger.finish(transfer_id, TransferState.ABORTED, self._ledger.version)
+        self._intake.drop(transfer_id)
         receiver = self._receiver
         self._unrolled.pop(transfer_id, None)
 
