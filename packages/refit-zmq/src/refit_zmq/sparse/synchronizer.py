@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_core.deadline import Deadline
-from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
+from refit_core.errors import (
+    EngineReport,
+    EngineState,
+    RefitError,
+    RefitTimeoutError,
+    WorkerError,
+)
 from refit_core.participants import Participant, gather
 from refit_core.synchronizer import WeightSynchronizer
 from refit_core.types import RefitResult, WorkerOutcome
@@ -154,24 +160,36 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         arguments: Callable[[int], tuple[object, ...]] = lambda rank: (),
         *,
         count: int | None = None,
+        engines: Sequence[EngineReport] = (),
     ) -> list[Any]:
         """Call ``method`` on the first ``count`` producers (default: all) within the
         deadline; their answers, in rank order.
 
         Raises:
-            RefitTimeoutError: a producer did not answer (named as wedged).
-            WorkerError: a producer failed (a dead trainer rank).
+            RefitTimeoutError: a producer did not answer (named as wedged), with ``engines``.
+            WorkerError: a producer failed (a dead trainer rank), with ``engines``.
         """
         producers = self._producers[:count]
         calls = {p: p.call(method, *arguments(rank)) for rank, p in enumerate(producers)}
         gathered = gather(calls, deadline.timeout_for(self._options.call_timeout_s))
         if gathered.missing:
             labels = [p.label for p in gathered.missing]
-            raise RefitTimeoutError(f"{method}: no answer from {labels}", wedged_workers=labels)
+            raise RefitTimeoutError(
+                f"producers {labels} did not answer {method}",
+                wedged_workers=labels,
+                engines=engines,
+            )
         for participant, error in gathered.errors.items():
             if isinstance(error, RefitError):
+                error.engines = error.engines or tuple(engines)
                 raise error
-            raise WorkerError(str(error), worker=participant.label, operation=method) from error
+            lines = str(error).strip().splitlines()
+            raise WorkerError(
+                f"{type(error).__name__}: {lines[0][:300] if lines else ''}",
+                worker=participant.label,
+                operation=method,
+                engines=engines,
+            ) from error
         return [gathered.results[p] for p in producers]
 
     def _call_timeout(self, deadline: Deadline) -> float:
@@ -187,7 +205,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         assert coordinator is not None
         started = time.monotonic()
         coordinator.timeout_s = self._call_timeout(deadline)
-        statuses = coordinator.close_open_transfers()
+        statuses = coordinator.close_open_transfers(deadline=deadline)
         unreachable = {a: s for a, s in statuses.items() if isinstance(s, RefitError)}
         versions = {a: s.version for a, s in statuses.items() if isinstance(s, RelayStatus)}
         if unreachable:
@@ -195,15 +213,22 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             raise relay_error(
                 "the status probe before the refit", unreachable, self._tree_shards(), versions
             )
-        baselines = set(self._on_producers("refit_version", deadline))
+        untouched = tuple(
+            EngineReport(self._tree_shards()[a], a, EngineState.OLD, v) for a, v in versions.items()
+        )
+        baselines = set(self._on_producers("refit_version", deadline, engines=untouched))
         committed = baselines.pop() if len(baselines) == 1 else None
         behind = sorted(a for a, v in versions.items() if v != committed)
         if behind and committed is not None:
             logger.warning("relays %s are not at version %s: dense resync", behind, committed)
-        deadline.check("streaming the refit")
+        if deadline.expired():
+            raise RefitTimeoutError(
+                f"refit to version {version}: the deadline passed before streaming began",
+                engines=untouched,
+            )
         options = self._options
         expected = (
-            self._on_producers("refit_digests", deadline, count=1)[0]
+            self._on_producers("refit_digests", deadline, count=1, engines=untouched)[0]
             if options.verify_digests
             else None
         )

@@ -11,9 +11,9 @@ and the receiver of every relay, and settles a transfer it has no record of by c
 termination (commit it if any relay committed it, else abort it).
 
 With a deadline, the flush and the delivery of the decision both end by it: relays are asked
-to answer the FLUSH by the deadline (less :data:`FLUSH_MARGIN_S`), and the decision is
-delivered for at most :data:`DECISION_GRACE_S` past it, so an error reaches the caller by
-the deadline plus less than a second. Relays that were not reached settle the transfer on
+to answer the FLUSH by the deadline (less :data:`FLUSH_MARGIN_S`), their answers are awaited
+until the deadline, and the decision is delivered for at most :data:`DECISION_GRACE_S` past
+it, so an error reaches the caller by the deadline plus less than a second. Relays that were not reached settle the transfer on
 their own (see PROTOCOL.md).
 """
 
@@ -56,11 +56,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DECISION_GRACE_S = 0.5
+DECISION_GRACE_S = 0.4
 """How long past the deadline the coordinator keeps delivering a decision."""
 FLUSH_MARGIN_S = 0.25
 """How long before the deadline relays are asked to answer a FLUSH (at most a tenth of what
-is left), so their answers arrive in time."""
+is left), so their answers arrive by it."""
 
 _DECISIONS_KEPT = 256
 
@@ -156,24 +156,35 @@ class RelayCoordinator:
         logger.info("tree %s over %d relays (fanout %d)", tree.tree_id, len(relays), tree.fanout)
         return tree.tree_id
 
-    def status(self, *, digests: bool = False, relays: Sequence[str] | None = None) -> Statuses:
+    def status(
+        self,
+        *,
+        digests: bool = False,
+        relays: Sequence[str] | None = None,
+        deadline: Deadline | None = None,
+    ) -> Statuses:
         """Every relay's status (those of ``relays``, default the tree's): version, the
         receiver's and the ledger's open transfer, staging (and digests). Read-only: the
-        relays need no tree for it."""
+        relays need no tree for it. No attempt runs past ``deadline``."""
         addresses = self.relays if relays is None else tuple(relays)
-        replies = self._call({a: (Kind.STATUS, {"digests": digests}) for a in addresses})
+        replies = self._call(
+            {a: (Kind.STATUS, {"digests": digests}) for a in addresses},
+            until=None if deadline is None else deadline.at,
+        )
         return {a: _typed(r, RelayStatus.from_json) for a, r in replies.items()}
 
-    def close_open_transfers(self) -> Statuses:
+    def close_open_transfers(self, *, deadline: Deadline | None = None) -> Statuses:
         """Finish every transfer a relay still holds open, in its ledger or its receiver;
         return every relay's status afterwards.
 
         A transfer this coordinator decided gets its decision. Any other (a coordinator
         that died, a decision that was never recorded) is settled by cooperative
         termination: committed everywhere if any relay committed it, else aborted. Relays
-        that do not answer keep what they hold and settle it on their own.
+        that do not answer keep what they hold and settle it on their own. No request runs
+        past ``deadline``.
         """
-        statuses = self.status()
+        until = None if deadline is None else deadline.at
+        statuses = self.status(deadline=deadline)
         holders: dict[str, set[str]] = {}
         for address, status in statuses.items():
             if isinstance(status, RelayStatus):
@@ -185,7 +196,7 @@ class RelayCoordinator:
         for transfer_id, addresses in holders.items():
             commit = self._decisions.get(transfer_id)
             if commit is None:
-                commit = self._committed_anywhere(transfer_id)
+                commit = self._committed_anywhere(transfer_id, until)
                 self._record(transfer_id, commit)
             kind = Kind.COMMIT if commit else Kind.ABORT
             logger.warning(
@@ -196,15 +207,17 @@ class RelayCoordinator:
             )
             for address in addresses:
                 finishing[address] = (kind, {"transfer_id": transfer_id})
-        self._call(finishing)
-        statuses.update(self.status(relays=list(finishing)))
+        self._call(finishing, until=until)
+        statuses.update(self.status(relays=list(finishing), deadline=deadline))
         return statuses
 
     reconcile = close_open_transfers
 
-    def _committed_anywhere(self, transfer_id: str) -> bool:
+    def _committed_anywhere(self, transfer_id: str, until: float | None) -> bool:
         """Whether any relay of the tree committed ``transfer_id`` (OUTCOME to all)."""
-        replies = self._call({a: (Kind.OUTCOME, {"transfer_id": transfer_id}) for a in self.relays})
+        replies = self._call(
+            {a: (Kind.OUTCOME, {"transfer_id": transfer_id}) for a in self.relays}, until=until
+        )
         return any(
             isinstance(r, OutcomeReply) and r.state is TransferState.COMMITTED
             for r in (_typed(reply, OutcomeReply.from_json) for reply in replies.values())
@@ -235,8 +248,8 @@ class RelayCoordinator:
             reply_within_s = wait_s + self.timeout_s
         else:
             wait_s = max(0.0, left - min(FLUSH_MARGIN_S, left / 10))
-            until = time.monotonic() + left + FLUSH_MARGIN_S
-            reply_within_s = left + FLUSH_MARGIN_S
+            until = time.monotonic() + left
+            reply_within_s = left
         replies = self._call(
             {
                 address: (

@@ -147,9 +147,10 @@ def _producer_error(
             wedged_workers=[*missing, *unknown],
         )
     participant, error = next(iter(errors.items()))
+    lines = str(error).strip().splitlines()
+    first_line = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
     failed: RefitError
     if isinstance(error, RefitError) and not isinstance(error, WorkerError):
-        first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
         failed = type(error)(
             f"{participant.label} could not stream transfer {aborted.transfer_id}: {first_line}",
             recovery=error.recovery,
@@ -158,7 +159,7 @@ def _producer_error(
         )
     else:
         failed = WorkerError(
-            f"{type(error).__name__}: {error}",
+            first_line,
             worker=participant.label,
             operation=f"refit_stream (transfer {aborted.transfer_id} aborted)",
             engines=engines,

@@ -11,7 +11,7 @@ import enum
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from refit_core.errors import ProtocolError
 from refit_zmq.relay.wire.errors import NackCode
@@ -155,12 +155,77 @@ def _digest(value: object, what: str) -> int:
     return value
 
 
-def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in data.items() if value is not None}
+def _plain(value: object) -> Any:
+    """A report field as JSON: enums by value, reports by ``to_json``, tuples as lists."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, _Report):
+        return value.to_json()
+    if isinstance(value, tuple | list):
+        return [_plain(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    return value
+
+
+Read = Callable[["_Reader", str], Any]
+"""Reads one field of a report (a :class:`_Reader` method, or one built from it)."""
+
+
+def _each(parse: Callable[[object, str], Any]) -> Read:
+    return lambda read, name: read.items(name, parse)
+
+
+def _by_name(parse: Callable[[object, str], Any]) -> Read:
+    return lambda read, name: read.mapping(name, parse)
+
+
+def _optional_digests(read: _Reader, name: str) -> dict[str, int] | None:
+    return read.optional_mapping(name, _digest)
+
+
+def _nested(parse: Callable[[object, str], Any]) -> Read:
+    return lambda read, name: read.nested(name, parse)
+
+
+class _Report:
+    """``to_json`` and ``from_json`` of a frozen dataclass report, from its field readers.
+
+    ``_READ`` maps every field, in order, to how it is read; ``_OMIT`` names the optional
+    fields left out of the JSON when None.
+    """
+
+    _READ: ClassVar[dict[str, Read]]
+    _OMIT: ClassVar[frozenset[str]] = frozenset()
+    _WHAT: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object that travels in a header's ``result``."""
+        values = {name: getattr(self, name) for name in self._READ}
+        return {
+            name: _plain(value)
+            for name, value in values.items()
+            if value is not None or name not in self._OMIT
+        }
+
+    @classmethod
+    def from_json(cls, data: object, what: str | None = None) -> Self:
+        """The report in ``data``.
+
+        Raises:
+            ProtocolError: a field is missing, unknown, or of the wrong type or range.
+        """
+        read = _Reader(data, what or cls._WHAT)
+        values = {name: reader(read, name) for name, reader in cls._READ.items()}
+        read.done()
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ProtocolError(f"{what or cls._WHAT}: {exc}") from None
 
 
 @dataclass(frozen=True)
-class Failure:
+class Failure(_Report):
     """One failure recorded by a relay (or, for DIGEST, by the coordinator).
 
     Attributes:
@@ -172,6 +237,16 @@ class Failure:
         payload_id: the payload, when the failure is about a payload.
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "relay": _Reader.text,
+        "code": _Reader.text,
+        "message": _Reader.text,
+        "producer_id": _Reader.optional_text,
+        "payload_id": _Reader.optional_text,
+    }
+    _OMIT: ClassVar[frozenset[str]] = frozenset({"producer_id", "payload_id"})
+    _WHAT: ClassVar[str] = "failure"
+
     relay: str
     code: str
     message: str
@@ -180,31 +255,7 @@ class Failure:
 
     def __post_init__(self) -> None:
         if self.code not in FAILURE_CODES:
-            raise ProtocolError(f"unknown failure code {self.code!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        return _drop_none(
-            {
-                "relay": self.relay,
-                "code": self.code,
-                "message": self.message,
-                "producer_id": self.producer_id,
-                "payload_id": self.payload_id,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "failure") -> Failure:
-        read = _Reader(data, what)
-        failure = cls(
-            read.text("relay"),
-            read.text("code"),
-            read.text("message"),
-            read.optional_text("producer_id"),
-            read.optional_text("payload_id"),
-        )
-        read.done()
-        return failure
+            raise ValueError(f"unknown failure code {self.code!r}")
 
     def line(self) -> str:
         """``relay [payload p]: CODE: message``."""
@@ -213,7 +264,7 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class ApplyResult:
+class ApplyResult(_Report):
     """What a receiver did with one payload (an ACK's ``result``).
 
     Attributes:
@@ -222,42 +273,36 @@ class ApplyResult:
         verified: entries read back after the apply and found equal to the values sent.
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "items": _Reader.integer,
+        "nbytes": _Reader.integer,
+        "verified": _Reader.integer,
+    }
+    _WHAT: ClassVar[str] = "ACK result"
+
     items: int
     nbytes: int
     verified: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"items": self.items, "nbytes": self.nbytes, "verified": self.verified}
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "ACK result") -> ApplyResult:
-        read = _Reader(data, what)
-        result = cls(read.integer("items"), read.integer("nbytes"), read.integer("verified"))
-        read.done()
-        return result
-
 
 @dataclass(frozen=True)
-class ChildCounts:
+class ChildCounts(_Report):
     """What a relay forwarded to one child in one transfer, and how it ended."""
+
+    _READ: ClassVar[dict[str, Read]] = {
+        "forwarded": _Reader.integer,
+        "acked": _Reader.integer,
+        "failed": _Reader.integer,
+    }
+    _WHAT: ClassVar[str] = "child counts"
 
     forwarded: int = 0
     acked: int = 0
     failed: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"forwarded": self.forwarded, "acked": self.acked, "failed": self.failed}
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "child counts") -> ChildCounts:
-        read = _Reader(data, what)
-        counts = cls(read.integer("forwarded"), read.integer("acked"), read.integer("failed"))
-        read.done()
-        return counts
-
 
 @dataclass(frozen=True)
-class FlushReport:
+class FlushReport(_Report):
     """A relay's answer to FLUSH: what it did for a transfer, and whether it is prepared.
 
     Attributes:
@@ -283,6 +328,25 @@ class FlushReport:
             row-major order); None otherwise, or when the receiver could not give them.
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "relay": _Reader.text,
+        "transfer_id": _Reader.text,
+        "state": _Reader.state,
+        "complete": _Reader.flag,
+        "expected": _Reader.integer,
+        "applied": _Reader.integer,
+        "duplicates": _Reader.integer,
+        "bytes_received": _Reader.integer,
+        "bytes_forwarded": _Reader.integer,
+        "apply_s": _Reader.seconds,
+        "elapsed_s": _Reader.seconds,
+        "version": _Reader.optional_integer,
+        "children": _by_name(ChildCounts.from_json),
+        "failures": _each(Failure.from_json),
+        "digests": _optional_digests,
+    }
+    _WHAT: ClassVar[str] = "flush report"
+
     relay: str
     transfer_id: str
     state: TransferState
@@ -303,72 +367,19 @@ class FlushReport:
         if self.complete and self.failures:
             raise ValueError("a flush report with failures is never complete")
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "relay": self.relay,
-            "transfer_id": self.transfer_id,
-            "state": self.state.value,
-            "complete": self.complete,
-            "expected": self.expected,
-            "applied": self.applied,
-            "duplicates": self.duplicates,
-            "bytes_received": self.bytes_received,
-            "bytes_forwarded": self.bytes_forwarded,
-            "apply_s": self.apply_s,
-            "elapsed_s": self.elapsed_s,
-            "version": self.version,
-            "children": {a: c.to_json() for a, c in self.children.items()},
-            "failures": [f.to_json() for f in self.failures],
-            "digests": None if self.digests is None else dict(self.digests),
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "flush report") -> FlushReport:
-        read = _Reader(data, what)
-        complete = read.flag("complete")
-        failures = read.items("failures", Failure.from_json)
-        if complete and failures:
-            raise ProtocolError(f"{what} says complete with {len(failures)} failures")
-        report = cls(
-            relay=read.text("relay"),
-            transfer_id=read.text("transfer_id"),
-            state=read.state("state"),
-            complete=complete,
-            expected=read.integer("expected"),
-            applied=read.integer("applied"),
-            duplicates=read.integer("duplicates"),
-            bytes_received=read.integer("bytes_received"),
-            bytes_forwarded=read.integer("bytes_forwarded"),
-            apply_s=read.seconds("apply_s"),
-            elapsed_s=read.seconds("elapsed_s"),
-            version=read.optional_integer("version"),
-            children=read.mapping("children", ChildCounts.from_json),
-            failures=failures,
-            digests=read.optional_mapping("digests", _digest),
-        )
-        read.done()
-        return report
-
 
 @dataclass(frozen=True)
-class SubtreeReport:
+class SubtreeReport(_Report):
     """The answer to FLUSH with ``subtree``: relay address -> its flush report."""
+
+    _READ: ClassVar[dict[str, Read]] = {"relays": _by_name(FlushReport.from_json)}
+    _WHAT: ClassVar[str] = "subtree report"
 
     relays: Mapping[str, FlushReport]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"relays": {a: r.to_json() for a, r in self.relays.items()}}
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "subtree report") -> SubtreeReport:
-        read = _Reader(data, what)
-        report = cls(read.mapping("relays", FlushReport.from_json))
-        read.done()
-        return report
-
 
 @dataclass(frozen=True)
-class CommitReply:
+class CommitReply(_Report):
     """The answer to COMMIT.
 
     Attributes:
@@ -378,29 +389,20 @@ class CommitReply:
             (a repeated COMMIT).
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "transfer_id": _Reader.text,
+        "version": _Reader.optional_integer,
+        "committed": _Reader.flag,
+    }
+    _WHAT: ClassVar[str] = "COMMIT reply"
+
     transfer_id: str
     version: int | None
     committed: bool
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "transfer_id": self.transfer_id,
-            "version": self.version,
-            "committed": self.committed,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "COMMIT reply") -> CommitReply:
-        read = _Reader(data, what)
-        reply = cls(
-            read.text("transfer_id"), read.optional_integer("version"), read.flag("committed")
-        )
-        read.done()
-        return reply
-
 
 @dataclass(frozen=True)
-class AbortReply:
+class AbortReply(_Report):
     """The answer to ABORT.
 
     Attributes:
@@ -414,60 +416,36 @@ class AbortReply:
             was undone at once).
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "transfer_id": _Reader.text,
+        "version": _Reader.optional_integer,
+        "aborted": _Reader.flag,
+        "restored": _Reader.flag,
+    }
+    _WHAT: ClassVar[str] = "ABORT reply"
+
     transfer_id: str
     version: int | None
     aborted: bool
     restored: bool
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "transfer_id": self.transfer_id,
-            "version": self.version,
-            "aborted": self.aborted,
-            "restored": self.restored,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "ABORT reply") -> AbortReply:
-        read = _Reader(data, what)
-        reply = cls(
-            read.text("transfer_id"),
-            read.optional_integer("version"),
-            read.flag("aborted"),
-            read.flag("restored"),
-        )
-        read.done()
-        return reply
-
 
 @dataclass(frozen=True)
-class ReceiverOpen:
+class ReceiverOpen(_Report):
     """The transfer a receiver holds open: payloads applied with their undo data kept."""
+
+    _READ: ClassVar[dict[str, Read]] = {
+        "transfer_id": _Reader.text,
+        "target": _Reader.integer,
+        "payloads": _Reader.integer,
+        "undo_bytes": _Reader.integer,
+    }
+    _WHAT: ClassVar[str] = "receiver open transfer"
 
     transfer_id: str
     target: int
     payloads: int
     undo_bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "transfer_id": self.transfer_id,
-            "target": self.target,
-            "payloads": self.payloads,
-            "undo_bytes": self.undo_bytes,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "receiver open transfer") -> ReceiverOpen:
-        read = _Reader(data, what)
-        opened = cls(
-            read.text("transfer_id"),
-            read.integer("target"),
-            read.integer("payloads"),
-            read.integer("undo_bytes"),
-        )
-        read.done()
-        return opened
 
 
 @dataclass(frozen=True)
@@ -480,7 +458,7 @@ class ReceiverStatus:
 
 
 @dataclass(frozen=True)
-class LedgerOpen:
+class LedgerOpen(_Report):
     """The transfer a relay's ledger holds open.
 
     Attributes:
@@ -493,6 +471,16 @@ class LedgerOpen:
         failures: failures recorded so far.
     """
 
+    _READ: ClassVar[dict[str, Read]] = {
+        "transfer_id": _Reader.text,
+        "target": _Reader.optional_integer,
+        "state": _Reader.state,
+        "deadline_s": _Reader.optional_seconds,
+        "payloads": _Reader.integer,
+        "failures": _Reader.integer,
+    }
+    _WHAT: ClassVar[str] = "ledger open transfer"
+
     transfer_id: str
     target: int | None
     state: TransferState
@@ -500,33 +488,9 @@ class LedgerOpen:
     payloads: int
     failures: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "transfer_id": self.transfer_id,
-            "target": self.target,
-            "state": self.state.value,
-            "deadline_s": self.deadline_s,
-            "payloads": self.payloads,
-            "failures": self.failures,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "ledger open transfer") -> LedgerOpen:
-        read = _Reader(data, what)
-        opened = cls(
-            read.text("transfer_id"),
-            read.optional_integer("target"),
-            read.state("state"),
-            read.optional_seconds("deadline_s"),
-            read.integer("payloads"),
-            read.integer("failures"),
-        )
-        read.done()
-        return opened
-
 
 @dataclass(frozen=True)
-class RelayStatus:
+class RelayStatus(_Report):
     """The answer to STATUS: the receiver's state and the relay's, read together.
 
     Attributes:
@@ -541,6 +505,18 @@ class RelayStatus:
         peak_staged_bytes: the most payload bytes ever staged at once.
         digests: with ``digests`` asked, tensor name -> ``tensor_digest``; else None.
     """
+
+    _READ: ClassVar[dict[str, Read]] = {
+        "relay": _Reader.text,
+        "version": _Reader.optional_integer,
+        "open": _nested(ReceiverOpen.from_json),
+        "transfer": _nested(LedgerOpen.from_json),
+        "tree": _Reader.optional_text,
+        "staged_bytes": _Reader.integer,
+        "peak_staged_bytes": _Reader.integer,
+        "digests": _optional_digests,
+    }
+    _WHAT: ClassVar[str] = "STATUS result"
 
     relay: str
     version: int | None
@@ -557,65 +533,23 @@ class RelayStatus:
         ids = {opened.transfer_id for opened in (self.open, self.transfer) if opened}
         return frozenset(ids)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "relay": self.relay,
-            "version": self.version,
-            "open": None if self.open is None else self.open.to_json(),
-            "transfer": None if self.transfer is None else self.transfer.to_json(),
-            "tree": self.tree,
-            "staged_bytes": self.staged_bytes,
-            "peak_staged_bytes": self.peak_staged_bytes,
-            "digests": None if self.digests is None else dict(self.digests),
-        }
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "STATUS result") -> RelayStatus:
-        read = _Reader(data, what)
-        status = cls(
-            relay=read.text("relay"),
-            version=read.optional_integer("version"),
-            open=read.nested("open", ReceiverOpen.from_json),
-            transfer=read.nested("transfer", LedgerOpen.from_json),
-            tree=read.optional_text("tree"),
-            staged_bytes=read.integer("staged_bytes"),
-            peak_staged_bytes=read.integer("peak_staged_bytes"),
-            digests=read.optional_mapping("digests", _digest),
-        )
-        read.done()
-        return status
-
 
 @dataclass(frozen=True)
-class OutcomeReply:
+class OutcomeReply(_Report):
     """The answer to OUTCOME: what became of a transfer on the answering relay."""
+
+    _READ: ClassVar[dict[str, Read]] = {"transfer_id": _Reader.text, "state": _Reader.state}
+    _WHAT: ClassVar[str] = "OUTCOME result"
 
     transfer_id: str
     state: TransferState
 
-    def to_json(self) -> dict[str, Any]:
-        return {"transfer_id": self.transfer_id, "state": self.state.value}
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "OUTCOME result") -> OutcomeReply:
-        read = _Reader(data, what)
-        reply = cls(read.text("transfer_id"), read.state("state"))
-        read.done()
-        return reply
-
 
 @dataclass(frozen=True)
-class TreeReply:
+class TreeReply(_Report):
     """The answer to CONFIGURE: the id of the tree the relay adopted."""
 
+    _READ: ClassVar[dict[str, Read]] = {"tree": _Reader.text}
+    _WHAT: ClassVar[str] = "CONFIGURE result"
+
     tree: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tree": self.tree}
-
-    @classmethod
-    def from_json(cls, data: object, what: str = "CONFIGURE result") -> TreeReply:
-        read = _Reader(data, what)
-        reply = cls(read.text("tree"))
-        read.done()
-        return reply
