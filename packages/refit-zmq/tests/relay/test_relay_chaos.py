@@ -131,6 +131,7 @@ class Chaos:
         self.probe = RelayCoordinator(api_key=None, timeout_s=5.0, tuning=TUNING)
         self.rechecks: list[tuple[LaunchedRelay, float, bool]] = []
         self.resume: tuple[LaunchedRelay, float] | None = None
+        self.refit_s = 0.2  # how long a refit without a fault takes here (a running mean)
 
     def _fresh(self) -> LaunchedRelay:
         seed = len(self.relays) + len(self.retired) + 1000
@@ -212,11 +213,14 @@ class Chaos:
             return False
         self.expected[("trainer", result.version)] = digests(self.weights.state)
         self.tally.committed += 1
+        if fault is None:
+            self.refit_s = 0.8 * self.refit_s + 0.2 * elapsed
         return True
 
     def _during(self, relay: LaunchedRelay, signum: signal.Signals) -> Callable[[], None]:
-        """``signum`` to ``relay`` at a random moment of the refit's first 40 %."""
-        delay = self.rng.uniform(0.0, 0.4 * REFIT_TIMEOUT_S)
+        """``signum`` to ``relay`` at a random moment of the refit (as long as refits have
+        taken here, so that it lands in any phase: probe, stream, flush, decision)."""
+        delay = self.rng.uniform(0.0, self.refit_s)
 
         def fire() -> None:
             time.sleep(delay)
