@@ -21,9 +21,9 @@ from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.frames import Kind
 from refit_zmq.relay.wire.tuning import RelayTuning
 
-__all__ = ["PeerRequests", "Replies"]
+__all__ = ["Answers", "PeerRequests"]
 
-Replies = Callable[[dict[str, Reply]], None]
+Answers = Callable[[dict[str, Reply]], None]
 """Gets relay -> its DONE result or the error its request ended in, on the event loop."""
 
 
@@ -56,7 +56,7 @@ class PeerRequests:
         requests: Mapping[str, tuple[Kind, dict[str, Any]]],
         *,
         within_s: float,
-        then: Replies,
+        then: Answers,
     ) -> None:
         """Send ``requests`` (relay -> (kind, fields)); ``then(replies)`` on the loop, within
         ``within_s`` (a relay that did not answer by then maps to its error)."""

@@ -257,11 +257,6 @@ class Failure(_Report):
         if self.code not in FAILURE_CODES:
             raise ValueError(f"unknown failure code {self.code!r}")
 
-    def line(self) -> str:
-        """``relay [payload p]: CODE: message``."""
-        payload = f" payload {self.payload_id}" if self.payload_id is not None else ""
-        return f"{self.relay}{payload}: {self.code}: {self.message}"
-
 
 @dataclass(frozen=True)
 class ApplyResult(_Report):
