@@ -33,6 +33,7 @@ from refit_zmq.relay.node.replies import PAYLOAD_FIELDS, Replies
 from refit_zmq.relay.node.staging import Staging
 from refit_zmq.relay.node.topology import Topology
 from refit_zmq.relay.node.transactions import Respond, TransferControl
+from refit_zmq.relay.node.unattended import Unattended
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.errors import NackCode, code_for_error
@@ -65,6 +66,7 @@ class _Parts:
     ledger: Ledger
     intake: PayloadIntake
     control: TransferControl
+    unattended: Unattended
     peers: PeerRequests
 
 
@@ -186,9 +188,16 @@ class ZmqSparseRefitServer:
             topology=self._topology,
             replies=replies,
             peers=peers,
+        )
+        unattended = Unattended(
+            ledger=ledger,
+            intake=intake,
+            control=control,
+            topology=self._topology,
+            peers=peers,
             timeout_s=self._timeout_s,
         )
-        return _Parts(context, router, replies, ledger, intake, control, peers)
+        return _Parts(context, router, replies, ledger, intake, control, unattended, peers)
 
     def configure_tree(self, relay_addresses: Sequence[str], *, own_address: str) -> str:
         """Adopt the tree over ``relay_addresses`` (this relay is ``own_address``); its id."""
@@ -341,7 +350,7 @@ class ZmqSparseRefitServer:
         self._jobs.finish()
         parts.peers.finish()
         now = time.monotonic()
-        parts.control.expire(now)
+        parts.unattended.expire(now)
         parts.intake.expire(now)
         if parts.router in events:
             self._read(parts)
@@ -358,7 +367,7 @@ class ZmqSparseRefitServer:
                 frames = parts.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            parts.control.expire(time.monotonic())  # no message for a transfer past its end
+            parts.unattended.expire(time.monotonic())  # no message of a transfer past its end
             self._handle(parts, frames[0].bytes, [frame.buffer for frame in frames[1:]])
 
     def _handle(self, parts: _Parts, identity: bytes, frames: list[memoryview]) -> None:

@@ -1,16 +1,9 @@
-"""A relay's side of the two phases: FLUSH (prepared?), then COMMIT or ABORT; STATUS, OUTCOME,
-and what a relay decides alone when nobody decides for it.
+"""A relay's side of the two phases: FLUSH (prepared?), then COMMIT or ABORT; STATUS and
+OUTCOME.
 
 Runs on the relay's event loop; receiver calls go through the receiver thread, and their
-answers are sent when they return.
-
-On its own (:meth:`TransferControl.expire`, on every turn of the loop and before every
-message is handled), a relay aborts an open transfer it has not prepared once the transfer's
-deadline passed or nothing happened to it for the relay's ``timeout_s``; a prepared transfer
-it never aborts alone: once its decision is overdue (deadline passed, or ``timeout_s`` since
-it prepared) it asks every other relay of its tree what became of the transfer (OUTCOME),
-commits if one committed it, aborts if one aborted it, and asks again later otherwise. A
-rollback the receiver failed is retried until it succeeds.
+answers are sent when they return. What a relay decides when nobody decides for it is in
+:mod:`~refit_zmq.relay.node.unattended`.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from refit_core.errors import ProtocolError
 from refit_zmq.relay.apply.receiver import Receiver
 from refit_zmq.relay.node.intake import PayloadIntake
 from refit_zmq.relay.node.jobs import ReceiverJobs
@@ -32,9 +24,8 @@ from refit_zmq.relay.node.replies import Replies
 from refit_zmq.relay.node.staging import Staging
 from refit_zmq.relay.node.subtree import SubtreeFlush
 from refit_zmq.relay.node.topology import Topology
-from refit_zmq.relay.wire.control import Reply
 from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError, code_for_error
-from refit_zmq.relay.wire.frames import Kind, Message
+from refit_zmq.relay.wire.frames import Message
 from refit_zmq.relay.wire.reports import (
     AbortReply,
     CommitReply,
@@ -54,8 +45,6 @@ logger = logging.getLogger(__name__)
 Respond = Callable[[FlushReport], None]
 """Gets a settled flush report."""
 
-_MIN_ASK_S = 0.5
-
 
 @dataclass(eq=False)
 class _FlushWaiter:
@@ -72,12 +61,10 @@ def _request_ids(message: Message) -> dict[str, str]:
 
 
 class TransferControl:
-    """Answers FLUSH once a transfer is settled here, runs COMMIT, ABORT, STATUS and OUTCOME,
-    and ends transfers nobody ended (see the module docstring).
+    """Answers FLUSH once a transfer is settled here, runs COMMIT, ABORT, STATUS and OUTCOME.
 
-    Args:
-        timeout_s: the relay's timeout: an open transfer idle this long is aborted, a
-            prepared one without a decision this long makes the relay ask its peers.
+    Attributes:
+        unrolled: transfer id -> when to retry its rollback (the receiver failed it).
     """
 
     def __init__(
@@ -91,7 +78,6 @@ class TransferControl:
         topology: Topology,
         replies: Replies,
         peers: PeerRequests,
-        timeout_s: float,
     ) -> None:
         self._receiver = receiver
         self._jobs = jobs
@@ -100,14 +86,9 @@ class TransferControl:
         self._intake = intake
         self._topology = topology
         self._replies = replies
-        self._peers = peers
         self._subtree = SubtreeFlush(peers)
-        self._timeout_s = timeout_s
-        self._ask_every_s = max(_MIN_ASK_S, timeout_s / 4)
         self._flushes: list[_FlushWaiter] = []
-        self._asking = False
-        self._next_ask = 0.0
-        self._unrolled: dict[str, float] = {}
+        self.unrolled: dict[str, float] = {}
 
     # -- flush ---------------------------------------------------------------------------
 
@@ -122,6 +103,10 @@ class TransferControl:
             record.touch(now)
         self._flushes.append(_FlushWaiter(transfer_id, expected, now + wait_s, digests, respond))
         self.check_flushes()
+
+    def flushing(self, transfer_id: str) -> bool:
+        """Whether a FLUSH of the transfer is waiting here."""
+        return any(waiter.transfer_id == transfer_id for waiter in self._flushes)
 
     def on_flush(self, identity: bytes, message: Message) -> None:
         """FLUSH: answer DONE with the report (with ``subtree``: every subtree relay's)."""
@@ -240,9 +225,10 @@ class TransferControl:
             raise TransferConflictError(
                 f"transfer {transfer_id} is not prepared here (no FLUSH answered complete)"
             )
-        self._commit(transfer_id, self._answer(identity, message))
+        self.commit(transfer_id, self._answer(identity, message))
 
-    def _commit(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
+    def commit(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
+        """Commit the transfer here; ``then`` gets the :class:`CommitReply` (or the error)."""
         receiver = self._receiver
 
         def committed(future: Future[object]) -> None:
@@ -260,15 +246,18 @@ class TransferControl:
         record = self._ledger.record(transfer_id)
         if record is not None and record.state is TransferState.COMMITTED:
             raise StaleTransferError(f"transfer {transfer_id} is committed; it cannot abort")
-        self._abort(transfer_id, self._answer(identity, message))
+        self.abort(transfer_id, self._answer(identity, message))
 
-    def _abort(self, transfer_id: str, then: Callable[[Future[object]], None]) -> None:
-        """Drop everything of the transfer, finish it as aborted, roll the receiver back
-        (retried later if the receiver fails); ``then`` gets the :class:`AbortReply`."""
+    def abort(
+        self, transfer_id: str, then: Callable[[Future[object]], None], retry_s: float = 1.0
+    ) -> None:
+        """Drop everything of the transfer, finish it as aborted, roll the receiver back (a
+        failed rollback is listed in :attr:`unrolled`, due ``retry_s`` later); ``then`` gets
+        the :class:`AbortReply` (or the error)."""
         was_live = self._ledger.finish(transfer_id, TransferState.ABORTED, self._ledger.version)
         self._intake.drop(transfer_id)
         receiver = self._receiver
-        self._unrolled.pop(transfer_id, None)
+        self.unrolled.pop(transfer_id, None)
 
         def rolled_back(future: Future[object]) -> None:
             error = future.exception()
@@ -276,7 +265,7 @@ class TransferControl:
                 logger.warning(
                     "relay %s: rollback of %s failed: %s", self._topology.own, transfer_id, error
                 )
-                self._unrolled[transfer_id] = time.monotonic() + self._ask_every_s
+                self.unrolled[transfer_id] = time.monotonic() + retry_s
                 then(future)
                 return
             reply = future.result()
@@ -332,83 +321,3 @@ class TransferControl:
         transfer_id = message.text("transfer_id")
         reply = OutcomeReply(transfer_id, self._ledger.state(transfer_id))
         self._replies.done(identity, message.text("request_id"), reply.to_json())
-
-    # -- on its own ----------------------------------------------------------------------
-
-    def expire(self, now: float) -> None:
-        """End what nobody ended (see the module docstring)."""
-        record = self._ledger.current
-        if record is not None and record.state is TransferState.OPEN:
-            idle = now - record.active_at > self._timeout_s
-            busy = self._intake.in_flight(record.transfer_id) or any(
-                w.transfer_id == record.transfer_id for w in self._flushes
-            )
-            if record.overdue(now) or (idle and not busy):
-                self._abort_alone(record, now)
-        elif record is not None and record.state is TransferState.PREPARED:
-            overdue = record.overdue(now) or now - record.active_at > self._timeout_s
-            if overdue and not self._asking and now >= self._next_ask:
-                self._ask_peers(record.transfer_id)
-        for transfer_id, retry_at in list(self._unrolled.items()):
-            if now >= retry_at:
-                self._abort(transfer_id, lambda future: None)
-
-    def _abort_alone(self, record: TransferRecord, now: float) -> None:
-        why = (
-            "its deadline passed"
-            if record.overdue(now)
-            else (f"nothing happened to it for {self._timeout_s:.1f} s")
-        )
-        logger.warning(
-            "relay %s: transfer %s not prepared and %s; aborting it here",
-            self._topology.own,
-            record.transfer_id,
-            why,
-        )
-        record.fail(
-            Failure(self._topology.own, "DEADLINE", f"aborted by the relay: {why}"), local=True
-        )
-        self._abort(record.transfer_id, lambda future: None)
-
-    def _ask_peers(self, transfer_id: str) -> None:
-        tree = self._topology.tree
-        peers = [] if tree is None else [a for a in tree.relays if a != self._topology.own]
-        self._next_ask = time.monotonic() + self._ask_every_s
-        if not peers:
-            return
-        self._asking = True
-        logger.info(
-            "relay %s: no decision on prepared transfer %s; asking %d peers",
-            self._topology.own,
-            transfer_id,
-            len(peers),
-        )
-        requests = {peer: (Kind.OUTCOME, {"transfer_id": transfer_id}) for peer in peers}
-
-        def heard(replies: dict[str, Reply]) -> None:
-            self._asking = False
-            self._next_ask = time.monotonic() + self._ask_every_s
-            states = set()
-            for reply in replies.values():
-                if isinstance(reply, dict):
-                    try:
-                        states.add(OutcomeReply.from_json(reply).state)
-                    except ProtocolError:
-                        continue
-            record = self._ledger.current
-            if record is None or record.transfer_id != transfer_id:
-                return
-            if record.state is not TransferState.PREPARED:
-                return
-            if TransferState.COMMITTED in states:
-                logger.warning(
-                    "relay %s: a peer committed %s; committing", self._topology.own, transfer_id
-                )
-                self._commit(transfer_id, lambda future: None)
-            elif TransferState.ABORTED in states:
-                logger.warning(
-                    "relay %s: a peer aborted %s; aborting", self._topology.own, transfer_id
-                )
-                self._abort(transfer_id, lambda future: None)
-
-        self._peers.send(requests, within_s=min(self._timeout_s, self._ask_every_s), then=heard)
