@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import pytest
 import zmq
 from relay_helpers import TUNING, fresh_trainer, make_state
 
-from refit_core.errors import RefitTimeoutError
+from refit_core.errors import AuthenticationError, RefitTimeoutError
 from refit_zmq.relay import RelayCoordinator, RelayStatus, TensorReceiver, ZmqSparseRefitServer
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode
@@ -130,3 +131,53 @@ def test_relays_and_the_coordinator_keep_answering_after_a_relay_died() -> None:
         coordinator.close()
         survivor.close()
         victim.close()
+
+
+class _TcpPeer:
+    """A TCP listener that is no relay: it closes every connection at once, or holds it
+    open without a word (a frozen process's kernel still accepts)."""
+
+    def __init__(self, *, close: bool) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
+        self._close = close
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self._server.accept()
+                if self._close:
+                    connection.close()
+                else:
+                    self._held.append(connection)
+
+    def stop(self) -> None:
+        self._server.close()
+        for connection in self._held:
+            connection.close()
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_only_a_peer_that_cuts_every_handshake_is_a_refusal(cut: bool) -> None:
+    """Closed mid-handshake three times in a row: refused (how a CURVE relay can end a plain
+    client's attempts); held without a word: a timeout, never an authentication failure."""
+    peer = _TcpPeer(close=cut)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    tuning = RelayTuning(
+        reconnect_s=0.01, reconnect_max_s=0.01, heartbeat_s=0.1, heartbeat_timeout_s=0.3
+    )
+    link = LinkSettings(NO_KEY, None, tuning).open(context, peer.address)
+    frames = encode(Kind.STATUS, {"request_id": "r1"}, NO_KEY)
+    try:
+        if cut:
+            with pytest.raises(AuthenticationError, match="mid-handshake"):
+                link.send(frames, until=time.monotonic() + 10)
+        else:
+            with pytest.raises(RefitTimeoutError, match="no room to send"):
+                link.send(frames, until=time.monotonic() + 2)
+    finally:
+        link.close()
+        context.destroy(linger=0)
+        peer.stop()

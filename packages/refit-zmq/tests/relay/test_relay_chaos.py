@@ -308,6 +308,7 @@ def _report(chaos: Chaos) -> None:
     assert chaos.tally.mixed == 0, f"{chaos.tally.mixed} checks found mixed bits"
 
 
+@pytest.mark.slow  # runs once in CI (the workspace run), not again in the isolated one
 @pytest.mark.timeout(900)
 def test_refits_under_kills_freezes_and_replacements_are_never_mixed(chaos: Chaos) -> None:
     _run(chaos, transfers=TRANSFERS)

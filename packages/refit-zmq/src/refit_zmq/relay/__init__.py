@@ -6,9 +6,10 @@ a local receiver (:class:`TensorReceiver`) and forward them down a k-ary tree; a
 :class:`RelayCoordinator` ends each transfer in commit or abort on every relay.
 
 The modules are laid out by the process they run in: ``wire`` (what every side shares:
-frames, keys, errors, tuning, links), ``node`` (the relay process), ``apply`` (receivers, in
-the relay's process), ``producer`` (a trainer rank) and ``coordinator`` (the controller).
-Every public name is importable from here.
+frames, reports, keys, errors, tuning, links), ``node`` (the relay process), ``apply``
+(receivers, in the relay's process), ``producer`` (a trainer rank) and ``coordinator`` (the
+controller); ``launch`` and ``cli`` start a relay process (``refit relay serve``, or
+``python -m refit_zmq.relay``). Every public name is importable from here.
 """
 
 from refit_zmq.relay.apply.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver

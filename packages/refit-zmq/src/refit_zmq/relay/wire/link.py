@@ -52,7 +52,8 @@ _DROPPED_HANDSHAKES = 3
 """Connections a peer closes in a row during the handshake before the link gives up: a
 CURVE relay may reset a plain client's connection before the client read the relay's
 greeting, which libzmq reports without detail."""
-_PEER_CLOSED = frozenset({0, errno.ECONNRESET, errno.EPIPE})
+_PEER_CLOSED = frozenset({errno.ECONNRESET, errno.EPIPE})
+"""The errno of a handshake the peer cut (a handshake that timed out reports EAGAIN)."""
 _NO_KEY = Signer(None)
 _MONITORS = itertools.count()
 
