@@ -63,6 +63,7 @@ from refit_lab.reference_engine import (
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
     RelayCoordinator,
+    RelayStatus,
     RelayTuning,
     ShardProducer,
     TransferOptions,
@@ -372,7 +373,7 @@ def _timed_refit(
             coordinator, [producer], target_version=version, resync=step.resync, options=options
         )
         seconds = time.perf_counter() - started
-        applying = sum(float(r["apply_s"]) for r in result.outcome.reports.values())
+        applying = sum(r.apply_s for r in result.outcome.reports.values())
         return {
             "seconds": seconds,
             "stream_s": result.stream_s,
@@ -380,6 +381,7 @@ def _timed_refit(
             "relays_apply_s": applying,
             **result.shards[0],
         }
+    base = tracker.version
     payloads = list(tracker.encode(state, WeightVersion(version), resync=step.resync))
     transfer_id = new_transfer_id(version)
     started = time.perf_counter()
@@ -389,7 +391,7 @@ def _timed_refit(
         transfer_id=transfer_id,
         payload_prefix="0",
         relay_root=None,
-        base_version=None,
+        base_version=None if step.resync or base is None else base.value,
         target_version=version,
         verification_candidates=0,
         senders=tuning.window_payloads,
@@ -399,9 +401,9 @@ def _timed_refit(
     seconds = time.perf_counter() - started
     if not outcome.committed:
         tracker.abort()
-        raise outcome.error()
+        raise outcome.error({a: i for i, a in enumerate(coordinator.relays)}, target=version)
     tracker.commit()
-    applying = sum(float(r["apply_s"]) for r in outcome.reports.values())
+    applying = sum(r.apply_s for r in outcome.reports.values())
     return {
         "seconds": seconds,
         "stream_s": streamed - started,
@@ -449,7 +451,7 @@ def produce(
             rows.append({"case": step.case, **timed})
         expected = digests(by_name[steps[-1].state])
         held = coordinator.status(digests=True)
-        exact = all(isinstance(s, dict) and s["digests"] == expected for s in held.values())
+        exact = all(isinstance(s, RelayStatus) and s.digests == expected for s in held.values())
     finally:
         client.close()
         coordinator.close()

@@ -26,6 +26,12 @@ class RelayTuning:
         retries: further attempts of a request after its first timeout.
         backoff_s: first pause before a retry; doubles up to ``max_backoff_s``.
         max_backoff_s: longest pause before a retry.
+        reconnect_s: first pause before a link reconnects to a relay it lost (libzmq's
+            ``ZMQ_RECONNECT_IVL``); doubles up to ``reconnect_max_s``.
+        reconnect_max_s: longest pause between reconnect attempts.
+        heartbeat_s: interval of ZMTP heartbeats on every connection.
+        heartbeat_timeout_s: a connection silent this long (no heartbeat answered, no
+            handshake completed, no TCP connect) is dropped.
     """
 
     fanout: int = 2
@@ -37,6 +43,10 @@ class RelayTuning:
     retries: int = 3
     backoff_s: float = 0.05
     max_backoff_s: float = 1.0
+    reconnect_s: float = 0.1
+    reconnect_max_s: float = 2.0
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.fanout <= 64:
@@ -47,6 +57,10 @@ class RelayTuning:
             raise ValueError(f"window, pending admissions and HWM must be >= 1: {self}")
         if self.retries < 0 or not 0 < self.backoff_s <= self.max_backoff_s:
             raise ValueError(f"invalid retry policy: {self}")
+        if not 0 < self.reconnect_s <= self.reconnect_max_s:
+            raise ValueError(f"need 0 < reconnect_s <= reconnect_max_s: {self}")
+        if not 0 < self.heartbeat_s < self.heartbeat_timeout_s:
+            raise ValueError(f"need 0 < heartbeat_s < heartbeat_timeout_s: {self}")
 
     def backoff(self, attempt: int) -> float:
         """Pause before retry number ``attempt`` (from 0)."""

@@ -2,7 +2,7 @@
 
 Runs on the relay's event loop. A payload is admitted when it fits the staging budget,
 forwarded to the children of its tree chunk by chunk as the chunks arrive, handed to the
-receiver as they arrive too (:mod:`~refit_zmq.relay.local_apply`), acknowledged only after the
+receiver as they arrive too (:mod:`~refit_zmq.relay.node.local_apply`), acknowledged only after the
 receiver finished it, and released once it is applied and streamed to every child.
 """
 
@@ -12,25 +12,30 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import zmq
 
 from refit_core.errors import ProtocolError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode, TransferConflictError, code_for_error
-from refit_zmq.relay.forwarder import ChildLink, Forward
-from refit_zmq.relay.frames import Kind, Message
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.ledger import Ledger
-from refit_zmq.relay.link import LinkSettings
-from refit_zmq.relay.local_apply import LocalApply
-from refit_zmq.relay.receiver import Receiver
-from refit_zmq.relay.replies import Replies, payload_ids
-from refit_zmq.relay.staging import PayloadKey, Pending, StagedPayload, Staging
-from refit_zmq.relay.topology import Topology
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.apply.receiver import Receiver
+from refit_zmq.relay.node.forwarder import ChildLink, Forward
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.ledger import Ledger
+from refit_zmq.relay.node.local_apply import LocalApply
+from refit_zmq.relay.node.replies import Replies, payload_ids
+from refit_zmq.relay.node.staging import PayloadKey, Pending, StagedPayload, Staging
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import (
+    NackCode,
+    StaleTransferError,
+    TransferConflictError,
+    code_for_error,
+)
+from refit_zmq.relay.wire.frames import Kind, Message
+from refit_zmq.relay.wire.link import LinkSettings
+from refit_zmq.relay.wire.reports import ApplyResult, Failure, TransferState
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["PayloadIntake"]
 
@@ -81,18 +86,30 @@ class PayloadIntake:
         transfer_id, producer_id, payload_id = key
         root = message.optional_text("relay_root") or self._topology.own
         self._topology.check(root, message.optional_text("tree"))
-        record = self._ledger.open(transfer_id, message.optional_number("target"))
+        deadline_s = message.fields["deadline_s"]
+        record = self._ledger.open(
+            transfer_id,
+            message.number("target"),
+            None if deadline_s is None else float(deadline_s),
+            time.monotonic(),
+        )
         checksum = message.text("checksum")
-        known = record.checksums.setdefault((producer_id, payload_id), checksum)
-        if known != checksum:
+        known = record.checksums.get((producer_id, payload_id))
+        if known is not None and known != checksum:
             raise TransferConflictError(
                 f"payload {producer_id}/{payload_id} was sent with checksum {known}, now {checksum}"
             )
         result = record.results.get((producer_id, payload_id))
         if result is not None:
             record.duplicates += 1
-            self._replies.payload(identity, Kind.ACK, key, duplicate=True, result=result)
+            self._ack(identity, key, result, duplicate=True)
             return
+        if known is None and record.state is TransferState.PREPARED:
+            raise TransferConflictError(
+                f"transfer {transfer_id} is prepared here; payload {producer_id}/{payload_id} "
+                "comes after the FLUSH"
+            )
+        record.checksums[(producer_id, payload_id)] = checksum
         staged = self._staging.staged.get(key)
         if staged is not None:
             staged.route = identity
@@ -108,7 +125,7 @@ class PayloadIntake:
             "checksum": checksum,
             "verification_candidates": message.number("verification_candidates"),
             "base": message.optional_number("base"),
-            "target": message.optional_number("target"),
+            "target": message.number("target"),
             "relay_root": root,
             "tree": self._topology.tree_id,
             "hops": message.number("hops", 0) + 1,
@@ -122,9 +139,11 @@ class PayloadIntake:
     def on_data(self, identity: bytes, message: Message) -> None:
         """Write a chunk in place, pass it on to the children, apply the payload once whole."""
         key = message.payload_key
+        record = self._ledger.record(key[0])
+        if record is not None and not record.live:
+            raise StaleTransferError(f"transfer {key[0]} is already {record.state}")
         staged = self._staging.staged.get(key)
         if staged is None:
-            record = self._ledger.record(key[0])
             if record is not None and key[1:] in record.results:
                 return  # a late chunk of a retried payload that is already applied
             raise ProtocolError("chunk of a payload that was not admitted (BEGIN first)")
@@ -138,9 +157,9 @@ class PayloadIntake:
         assert body is not None
         if not staged.write(message.number("offset"), body):
             return
-        record = self._ledger.record(key[0])
         if record is not None:
             record.bytes_received += len(body)
+            record.touch(staged.last_seen)
         for address in self._topology.children(staged.root):
             self.child(address).pump()
         self._local.pump()
@@ -185,25 +204,35 @@ class PayloadIntake:
             self.children[address] = child
         return child
 
-    def _applied(self, staged: StagedPayload, future: Future[tuple[dict[str, Any], float]]) -> None:
+    def _ack(
+        self, identity: bytes, key: PayloadKey, result: ApplyResult, *, duplicate: bool
+    ) -> None:
+        self._replies.payload(identity, Kind.ACK, key, duplicate=duplicate, result=result.to_json())
+
+    def _applied(self, staged: StagedPayload, future: Future[tuple[ApplyResult, float]]) -> None:
         staged.applied = True
         key = staged.key
         record = self._ledger.record(key[0])
         error = future.exception()
-        if record is not None and record.state == "open":
+        if record is not None and record.live:
+            record.settle(time.monotonic())
             if error is None:
                 result, seconds = future.result()
                 record.results[key[1:]] = result
                 record.apply_s += seconds
-                record.last_applied_at = time.monotonic()
-                self._replies.payload(staged.route, Kind.ACK, key, duplicate=False, result=result)
+                self._ack(staged.route, key, result, duplicate=False)
             else:
                 code = code_for_error(error)
                 logger.warning("relay %s: payload %s refused: %s", self._topology.own, key, error)
-                record.fail(self._topology.own, code, str(error), key[1:], local=True)
+                record.fail(self._failure(code, str(error), key), local=True)
                 self._replies.nack(staged.route, code, str(error), payload_ids(key))
         self._release_if_done(staged)
         self._progress()
+
+    def _failure(
+        self, code: str, message: str, key: PayloadKey, relay: str | None = None
+    ) -> Failure:
+        return Failure(relay or self._topology.own, code, message, key[1], key[2])
 
     def _release_if_done(self, staged: StagedPayload) -> None:
         if staged.done:
@@ -220,17 +249,17 @@ class PayloadIntake:
 
     def drop(self, transfer_id: str) -> None:
         """Forget everything of an aborted transfer; queued senders are told."""
-        for child in self.children.values():
-            child.drop(lambda key: key[0] == transfer_id)
-        for staged in self._staging.of_transfer(transfer_id):
-            staged.applied = True
-            self._staging.release(staged)
-            self._local.drop(staged)
         for pending in self._staging.drop_pending(transfer_id):
             text = f"transfer {transfer_id} was aborted"
             self._replies.nack(
                 pending.route, NackCode.STALE_TRANSFER, text, payload_ids(pending.key)
             )
+        for child in list(self.children.values()):
+            child.drop(lambda key: key[0] == transfer_id)
+        for staged in self._staging.of_transfer(transfer_id):
+            staged.applied = True
+            self._staging.release(staged)
+            self._local.drop(staged)
         self.admit_waiting()
 
     def expire(self, now: float) -> None:
@@ -246,7 +275,8 @@ class PayloadIntake:
                     f"payload incomplete ({staged.received} of {staged.total_bytes} bytes) "
                     f"after {self._timeout_s:.1f} s without a chunk"
                 )
-                record.fail(self._topology.own, "TIMEOUT", text, key[1:], local=True)
+                record.fail(self._failure("TIMEOUT", text, key), local=True)
+                record.settle(now, active=False)
             for child in self.children.values():
                 child.drop(key.__eq__)
             staged.applied = True
@@ -281,17 +311,23 @@ class PayloadIntake:
         forward.staged.forwards -= 1
         self._release_if_done(forward.staged)
 
-    def acked(self, child: str, forward: Forward, result: dict[str, Any]) -> None:
+    def acked(self, child: str, forward: Forward) -> None:
         """A child applied a payload."""
         record = self._ledger.record(forward.key[0])
         if record is not None:
             record.child(child).acked += 1
+            record.touch(time.monotonic())
         self._progress()
 
     def failed(self, child: str, forward: Forward, code: str, message: str) -> None:
         """A child refused a payload or stopped answering."""
         record = self._ledger.record(forward.key[0])
-        if record is not None and record.state == "open":
+        if record is not None and record.live:
             record.child(child).failed += 1
-            record.fail(child, code, message, forward.key[1:], local=False)
+            record.fail(self._failure(code, message, forward.key, relay=child), local=False)
         self._progress()
+
+    def deadline_s(self, transfer_id: str) -> float | None:
+        """Seconds left of the transfer's deadline, for the BEGIN a child gets."""
+        record = self._ledger.record(transfer_id)
+        return None if record is None else record.deadline_left(time.monotonic())

@@ -8,11 +8,11 @@ from typing import Any
 import zmq
 
 from refit_zmq.codec.format import BytesLike
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.errors import RETRYABLE, NackCode
-from refit_zmq.relay.frames import Kind, encode
-from refit_zmq.relay.staging import PayloadKey
-from refit_zmq.relay.topology import Topology
+from refit_zmq.relay.node.staging import PayloadKey
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.errors import RETRYABLE, NackCode
+from refit_zmq.relay.wire.frames import Kind, encode
 
 __all__ = ["PAYLOAD_FIELDS", "Replies", "payload_ids"]
 

@@ -17,7 +17,7 @@ during any in-place transfer, until the transfer is committed or rolled back.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,12 +45,35 @@ from refit_zmq.codec import (
     unpack_buffer,
 )
 from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
-from refit_zmq.relay.verify import check_held, draw_picks, entry_positions
+from refit_zmq.relay.apply.verify import check_held, draw_picks, entry_positions
 
-__all__ = ["ByteViews", "PayloadStream", "StreamResult"]
+__all__ = ["ByteViews", "PayloadStream", "StreamResult", "check_chunks", "frame_ends"]
 
 Admit = Callable[[PayloadLayout], object]
 """Called with a payload's layout before its first write; raises to refuse the payload."""
+
+
+def frame_ends(layout: PayloadLayout) -> list[int]:
+    """Where each frame of a payload ends, in payload offsets (frame 0, then each buffer)."""
+    ends = [layout.head_bytes]
+    for info in layout.buffers:
+        ends.append(ends[-1] + info.stored_bytes)
+    return ends
+
+
+def check_chunks(ends: list[int], chunks: Iterable[tuple[int, int]]) -> None:
+    """Refuse a chunk (``(offset, length)``) that holds bytes of two frames.
+
+    Raises:
+        ProtocolError: a chunk crosses the end of a frame.
+    """
+    for start, length in chunks:
+        inside = bisect.bisect_right(ends, start)
+        if inside < len(ends) and ends[inside] < start + length:
+            raise ProtocolError(
+                f"chunk [{start}, {start + length}) crosses the end of a frame at "
+                f"{ends[inside]} (a chunk never holds bytes of two frames)"
+            )
 
 
 class ByteViews:
@@ -141,6 +164,8 @@ class PayloadStream:
         views: byte views of ``tensors`` (shared between the streams of one receiver).
         undo_memory: gives the host memory (uint8, of the asked size) for undo copies of the
             bits written straight from chunks.
+        chunked: each :meth:`feed` is one received chunk, which must not hold bytes of two
+            frames (False: the bytes come in any pieces, for example the payload whole).
     """
 
     def __init__(
@@ -153,8 +178,10 @@ class PayloadStream:
         rng: np.random.Generator,
         views: ByteViews | None = None,
         undo_memory: Callable[[int], np.ndarray] = lambda nbytes: np.empty(nbytes, np.uint8),
+        chunked: bool = True,
     ) -> None:
         self.undo = UndoLog()
+        self._chunked = chunked
         self._undo_memory = undo_memory
         self._views = ByteViews(tensors) if views is None else views
         self._tensors = tensors
@@ -173,6 +200,8 @@ class PayloadStream:
         self._total = 0
         self._error: BaseException | None = None
         self._done = False
+        self._unchecked: list[tuple[int, int]] = []
+        self._ends: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -251,6 +280,12 @@ class PayloadStream:
     # -- bytes in ------------------------------------------------------------------------
 
     def _take(self, view: memoryview) -> None:
+        if self._chunked:
+            chunk = (self._at, len(view))
+            if self._ends is None:
+                self._unchecked.append(chunk)
+            else:
+                check_chunks(self._ends, (chunk,))
         if self._layout is None:
             view = self._take_head(view)
             if self._layout is None:
@@ -320,6 +355,9 @@ class PayloadStream:
         self._regions.sort(key=lambda region: region.start)
         self._starts = [region.start for region in self._regions]
         self._layout = layout
+        self._ends = frame_ends(layout)
+        check_chunks(self._ends, self._unchecked)
+        self._unchecked.clear()
 
     def _direct(
         self, item: ItemHeader, views: tuple[torch.Tensor, np.ndarray], picks: np.ndarray

@@ -1,6 +1,6 @@
 """A relay's local apply: staged payloads go to its receiver in admission order, as they arrive.
 
-A :class:`~refit_zmq.relay.receiver.StreamingReceiver` gets each payload's chunks while they
+A :class:`~refit_zmq.relay.apply.receiver.StreamingReceiver` gets each payload's chunks while they
 come in, in payload order, one payload after the other (so the undo data of payloads that
 overlap stays in write order), and finishes a payload once its last byte was fed. Any other
 receiver gets each payload whole through ``apply``. Every receiver call runs on the receiver
@@ -17,17 +17,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver
-from refit_zmq.relay.replies import payload_ids
-from refit_zmq.relay.staging import StagedPayload
+from refit_zmq.codec import PRELUDE_BYTES, head_length, read_layout
+from refit_zmq.relay.apply.payload_stream import check_chunks, frame_ends
+from refit_zmq.relay.apply.receiver import PayloadSink, Receiver, StreamingReceiver
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.replies import payload_ids
+from refit_zmq.relay.node.staging import StagedPayload
+from refit_zmq.relay.wire.reports import ApplyResult
 
 __all__ = ["Applied", "LocalApply"]
 
-Job = Callable[[], tuple[dict[str, Any], float]]
+Job = Callable[[], tuple[ApplyResult, float]]
 """A receiver call that applies a payload: its result and the seconds it took."""
 
-Applied = Callable[[StagedPayload, Future[tuple[dict[str, Any], float]]], None]
+Applied = Callable[[StagedPayload, Future[tuple[ApplyResult, float]]], None]
 """Called on the event loop with a payload and its job's future."""
 
 
@@ -51,7 +54,7 @@ class _Sink:
         self._sink.feed(chunk)
         self.seconds += time.perf_counter() - started
 
-    def finish(self) -> tuple[dict[str, Any], float]:
+    def finish(self) -> tuple[ApplyResult, float]:
         assert self._sink is not None
         started = time.perf_counter()
         result = self._sink.finish()
@@ -64,10 +67,14 @@ class _Sink:
 
 def _applied_whole(
     receiver: Receiver, staged: StagedPayload, metadata: dict[str, Any]
-) -> tuple[dict[str, Any], float]:
-    """Join the payload's chunks and apply it (on the receiver thread: the join copies)."""
+) -> tuple[ApplyResult, float]:
+    """Join the payload's chunks, check that none held bytes of two frames, and apply it (on
+    the receiver thread: the join copies)."""
     started = time.perf_counter()
-    result = receiver.apply(memoryview(staged.joined()), metadata)
+    body = memoryview(staged.joined())
+    head = body[: head_length(body[:PRELUDE_BYTES])]
+    check_chunks(frame_ends(read_layout(head)), staged.chunks)
+    result = receiver.apply(body, metadata)
     return result, time.perf_counter() - started
 
 

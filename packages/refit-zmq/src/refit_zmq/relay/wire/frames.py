@@ -1,4 +1,4 @@
-"""Frames of relay protocol 1: message kinds, header fields, encoding and the validating parser.
+"""Frames of relay protocol 2: message kinds, header fields, encoding and the validating parser.
 
 A message is ``[header, mac]`` or, for DATA, ``[header, mac, chunk]``: the header is one
 UTF-8 JSON object, the MAC is HMAC-SHA256 of the header bytes under the API key (empty
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from refit_core.errors import ProtocolError
 from refit_zmq.codec.format import BytesLike
-from refit_zmq.relay.errors import NackCode
+from refit_zmq.relay.wire.errors import NackCode
 
 if TYPE_CHECKING:
-    from refit_zmq.relay.auth import Signer
+    from refit_zmq.relay.wire.auth import Signer
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -34,9 +34,10 @@ __all__ = [
     "encode",
     "parse",
     "reply_ids",
+    "transfer_target",
 ]
 
-PROTOCOL = "refit-zmq/1"
+PROTOCOL = "refit-zmq/2"
 MAX_HEADER_BYTES = 256 * 1024
 MAX_RELAYS = 4096
 _MAX_INT = (1 << 63) - 1
@@ -45,6 +46,7 @@ _IDENT = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
 _ADDRESS = re.compile(r"(tcp|ipc|inproc)://[^\s]{1,500}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_TRANSFER_ID = re.compile(r"v(0|[1-9][0-9]{0,18})-[0-9a-f]{16}")
 
 
 class Kind(enum.StrEnum):
@@ -60,6 +62,7 @@ class Kind(enum.StrEnum):
     ABORT = "ABORT"
     STATUS = "STATUS"
     CONFIGURE = "CONFIGURE"
+    OUTCOME = "OUTCOME"
     DONE = "DONE"
 
 
@@ -70,6 +73,18 @@ def _fail(name: str, what: str) -> ProtocolError:
 def _ident(name: str, value: object) -> None:
     if not isinstance(value, str) or not _IDENT.fullmatch(value):
         raise _fail(name, "must be 1-128 characters of [A-Za-z0-9_.:@/+-]")
+
+
+def _transfer_id(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _TRANSFER_ID.fullmatch(value):
+        raise _fail(name, "must be v<target version>-<16 lowercase hex digits>")
+    if int(value[1 : value.index("-")]) > _MAX_INT:
+        raise _fail(name, "names a target version beyond 2**63")
+
+
+def transfer_target(transfer_id: str) -> int:
+    """The target version a (well-formed) transfer id names."""
+    return int(transfer_id[1 : transfer_id.index("-")])
 
 
 def _address(name: str, value: object) -> None:
@@ -141,7 +156,7 @@ def _fanout(name: str, value: object) -> None:
 
 
 FIELDS: dict[str, Callable[[str, object], None]] = {
-    "transfer_id": _ident,
+    "transfer_id": _transfer_id,
     "producer_id": _ident,
     "payload_id": _ident,
     "request_id": _ident,
@@ -161,6 +176,7 @@ FIELDS: dict[str, Callable[[str, object], None]] = {
     "relays": _addresses,
     "fanout": _fanout,
     "wait_s": _seconds,
+    "deadline_s": _optional(_seconds),
     "digests": _flag,
     "subtree": _flag,
     "duplicate": _flag,
@@ -175,7 +191,8 @@ _PAYLOAD = frozenset({"transfer_id", "producer_id", "payload_id"})
 _ROUTING = frozenset({"relay_root", "tree", "hops"})
 
 REQUIRED: dict[Kind, frozenset[str]] = {
-    Kind.BEGIN: _PAYLOAD | {"checksum", "total_bytes", "verification_candidates"},
+    Kind.BEGIN: _PAYLOAD
+    | {"checksum", "total_bytes", "verification_candidates", "base", "target", "deadline_s"},
     Kind.DATA: _PAYLOAD | {"checksum", "total_bytes", "offset"},
     Kind.READY: _PAYLOAD | {"relay"},
     Kind.ACK: _PAYLOAD | {"relay", "duplicate", "result"},
@@ -185,12 +202,13 @@ REQUIRED: dict[Kind, frozenset[str]] = {
     Kind.ABORT: frozenset({"request_id", "transfer_id"}),
     Kind.STATUS: frozenset({"request_id"}),
     Kind.CONFIGURE: frozenset({"request_id", "relays", "own_address", "fanout"}),
+    Kind.OUTCOME: frozenset({"request_id", "transfer_id"}),
     Kind.DONE: frozenset({"request_id", "relay", "result"}),
 }
 """Fields each kind must carry."""
 
 OPTIONAL: dict[Kind, frozenset[str]] = {
-    Kind.BEGIN: _ROUTING | {"base", "target"},
+    Kind.BEGIN: _ROUTING,
     Kind.READY: frozenset({"chunk_bytes"}),
     Kind.DATA: _ROUTING,
     Kind.NACK: _PAYLOAD | {"request_id"},
@@ -261,9 +279,13 @@ class Message:
 def encode(
     kind: Kind, fields: Mapping[str, Any], signer: Signer, body: BytesLike | None = None
 ) -> list[BytesLike]:
-    """The frames of a message; None-valued fields are left out."""
+    """The frames of a message; None-valued optional fields are left out (a required one is
+    sent as null)."""
     header = {"protocol": PROTOCOL, "kind": kind.value}
-    header.update({name: value for name, value in fields.items() if value is not None})
+    required = REQUIRED[kind]
+    header.update(
+        {name: value for name, value in fields.items() if value is not None or name in required}
+    )
     raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     frames: list[BytesLike] = [raw, signer.sign(raw)]
     if body is not None:
@@ -324,12 +346,25 @@ def parse(frames: Sequence[BytesLike], signer: Signer) -> Message:
         raise ProtocolError(f"{kind} has unknown fields {sorted(unknown)[:4]}")
     for name, value in header.items():
         FIELDS[name](name, value)
+    if kind is Kind.BEGIN:
+        _check_begin(header)
     body = memoryview(frames[2]).cast("B") if len(frames) == 3 else None
     if (body is not None) != (kind is Kind.DATA):
         raise ProtocolError(f"{kind} {'needs' if kind is Kind.DATA else 'takes no'} chunk frame")
     if body is not None and not 0 < len(body) <= header["total_bytes"] - header["offset"]:
         raise ProtocolError("chunk is empty or runs past the payload's end")
     return Message(kind, header, body)
+
+
+def _check_begin(header: Mapping[str, Any]) -> None:
+    """A BEGIN names a target, the one its transfer id names, above any base."""
+    target, base = header["target"], header["base"]
+    if target is None:
+        raise _fail("target", "must be the version the transfer brings receivers to")
+    if target != transfer_target(header["transfer_id"]):
+        raise _fail("target", f"is {target}, the transfer id names {header['transfer_id']}")
+    if base is not None and base >= target:
+        raise _fail("base", f"must be below the target {target}")
 
 
 def reply_ids(raw: BytesLike) -> dict[str, str]:
@@ -341,6 +376,9 @@ def reply_ids(raw: BytesLike) -> dict[str, str]:
     ids: dict[str, str] = {}
     for name in (*sorted(_PAYLOAD), "request_id"):
         value = header.get(name)
-        if isinstance(value, str) and _IDENT.fullmatch(value):
-            ids[name] = value
+        try:
+            FIELDS[name](name, value)
+        except ProtocolError:
+            continue
+        ids[name] = str(value)
     return ids

@@ -1,7 +1,7 @@
 """What a relay applies payloads to: apply, then commit or roll back one transfer at a time.
 
 :class:`TensorReceiver` applies delta payloads in place to a receiver's tensors as their bytes
-arrive (:class:`~refit_zmq.relay.payload_stream.PayloadStream`), with the codec's undo log kept
+arrive (:class:`~refit_zmq.relay.apply.payload_stream.PayloadStream`), with the codec's undo log kept
 per transfer, so a transfer that fails anywhere in the tree is rolled back bit for bit, and
 only a committed transfer moves the receiver's version.
 """
@@ -18,10 +18,17 @@ import torch
 
 from refit_core.errors import ProtocolError
 from refit_core.types import WeightVersion
-from refit_zmq.codec import ItemHeader, UndoLog, tensor_digest
+from refit_zmq.codec import ItemHeader, PayloadLayout, UndoLog, tensor_digest
 from refit_zmq.codec.undo_arena import UndoArena
-from refit_zmq.relay.errors import StaleTransferError, TransferConflictError
-from refit_zmq.relay.payload_stream import ByteViews, PayloadStream, StreamResult
+from refit_zmq.relay.apply.payload_stream import ByteViews, PayloadStream, StreamResult
+from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError
+from refit_zmq.relay.wire.reports import (
+    AbortReply,
+    ApplyResult,
+    CommitReply,
+    ReceiverOpen,
+    ReceiverStatus,
+)
 
 __all__ = ["PayloadSink", "Receiver", "StreamingReceiver", "TensorReceiver", "as_receiver"]
 
@@ -34,22 +41,27 @@ class Receiver(Protocol):
 
     ``apply`` raises a refit error to refuse a payload (nothing of it may stay applied);
     ``commit`` and ``rollback`` end the open transfer and are idempotent per transfer id.
+    ``metadata`` holds the BEGIN's fields (``transfer_id``, ``producer_id``, ``payload_id``,
+    ``checksum``, ``base``, ``target``, ``verification_candidates``); a receiver refuses a
+    payload whose items name another base or target than its BEGIN.
     """
 
-    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> ApplyResult:
         """Apply one payload of ``metadata["transfer_id"]``, keeping what undoes it."""
         ...
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
-        """Make the transfer's target the current version and forget its undo data."""
+    def commit(self, transfer_id: str) -> CommitReply:
+        """Make the transfer's target the current version and forget its undo data
+        (``committed`` False when it was committed before)."""
         ...
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
-        """Restore the bits from before the transfer's first payload."""
+    def rollback(self, transfer_id: str) -> AbortReply:
+        """Restore the bits from before the transfer's first payload (``restored`` False when
+        nothing of it is held; ``aborted`` says the same from the receiver's side)."""
         ...
 
-    def status(self, *, digests: bool = False) -> dict[str, Any]:
-        """``{"version", "open", ["digests"]}``: the version held and any open transfer."""
+    def status(self, *, digests: bool = False) -> ReceiverStatus:
+        """The version held, the open transfer, and with ``digests`` every tensor's digest."""
         ...
 
 
@@ -60,7 +72,7 @@ class PayloadSink(Protocol):
         """Take the payload's next bytes; never raises (a failure surfaces in ``finish``)."""
         ...
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> ApplyResult:
         """Verify and keep the payload: ``apply``'s result and errors; after an error nothing
         of the payload stays applied."""
         ...
@@ -154,9 +166,9 @@ class TensorReceiver:
         """The committed version."""
         return None if self._version is None else self._version.value
 
-    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> ApplyResult:
         """Verify and apply one payload whole (see :class:`Receiver` and :meth:`open_payload`)."""
-        sink = self.open_payload(metadata)
+        sink = self._open_payload(metadata, chunked=False)
         sink.feed(body)
         return sink.finish()
 
@@ -168,18 +180,30 @@ class TensorReceiver:
         StaleTransferError (the target does not follow the committed version),
         TransferConflictError (another transfer is open, or another target),
         VerificationError (the read-back found other bits than the payload carries), or
-        ProtocolError and GeometryMismatchError (malformed, or not for these tensors); the
-        payload's writes are undone first.
+        ProtocolError and GeometryMismatchError (malformed, items that name another base or
+        target than the BEGIN, a chunk holding bytes of two frames, or not for these
+        tensors); the payload's writes are undone first.
         """
+        return self._open_payload(metadata, chunked=True)
+
+    def _open_payload(self, metadata: Mapping[str, Any], *, chunked: bool) -> PayloadSink:
         transfer_id = str(metadata["transfer_id"])
+        declared = _Declared.of(metadata)
+
+        def admit(layout: PayloadLayout) -> None:
+            items = [item for item, _ in layout.items]
+            declared.check(items, transfer_id)
+            self._target(_targets(items), transfer_id)
+
         stream = PayloadStream(
             self._tensors,
             self._version,
-            admit=lambda layout: self._target(_targets(i for i, _ in layout.items), transfer_id),
+            admit=admit,
             candidates=int(metadata.get("verification_candidates", 0)),
             rng=self._rng,
             views=self._views,
             undo_memory=self._arena.take,
+            chunked=chunked,
         )
         self._open_sinks += 1
         return _IncomingPayload(
@@ -198,7 +222,7 @@ class TensorReceiver:
         if self._open_sinks == 0:
             self._arena.recycle()
 
-    def _keep(self, result: StreamResult, undo: UndoLog, transfer_id: str) -> dict[str, Any]:
+    def _keep(self, result: StreamResult, undo: UndoLog, transfer_id: str) -> ApplyResult:
         """Adopt a finished payload's undo data into the open transfer."""
         target = self._target(_targets(result.items), transfer_id)
         held = undo.nbytes + (0 if self._open is None else self._open.undo.nbytes)
@@ -210,7 +234,7 @@ class TensorReceiver:
             self._open = _Open(transfer_id, target)
         self._open.undo.extend(undo)
         self._open.payloads += 1
-        return {"items": len(result.items), "nbytes": result.nbytes, "verified": result.verified}
+        return ApplyResult(len(result.items), result.nbytes, result.verified)
 
     def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
         """The one target of a payload, if this receiver may apply it in ``transfer_id``."""
@@ -232,11 +256,11 @@ class TensorReceiver:
             )
         return target
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
+    def commit(self, transfer_id: str) -> CommitReply:
         """Commit the open transfer (again: a no-op answer)."""
         if self._open is None or self._open.transfer_id != transfer_id:
             if transfer_id == self._committed:
-                return {"version": self.version, "committed": False}
+                return CommitReply(transfer_id, self.version, committed=False)
             raise StaleTransferError(f"transfer {transfer_id} is not open here; cannot commit")
         opened, self._open = self._open, None
         opened.undo.discard()
@@ -246,14 +270,14 @@ class TensorReceiver:
         logger.info("transfer %s committed: version %d", transfer_id, opened.target.value)
         if self._on_commit is not None:
             self._on_commit(opened.target.value)
-        return {"version": self.version, "committed": True}
+        return CommitReply(transfer_id, self.version, committed=True)
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
+    def rollback(self, transfer_id: str) -> AbortReply:
         """Roll the open transfer back (nothing held: a no-op answer)."""
         if transfer_id == self._committed:
             raise StaleTransferError(f"transfer {transfer_id} is committed; it cannot roll back")
         if self._open is None or self._open.transfer_id != transfer_id:
-            return {"version": self.version, "restored": False}
+            return AbortReply(transfer_id, self.version, aborted=False, restored=False)
         opened, self._open = self._open, None
         opened.undo.restore()
         self._recycle_undo()
@@ -265,25 +289,50 @@ class TensorReceiver:
         )
         if self._on_rollback is not None:
             self._on_rollback()
-        return {"version": self.version, "restored": True}
+        return AbortReply(transfer_id, self.version, aborted=True, restored=True)
 
-    def status(self, *, digests: bool = False) -> dict[str, Any]:
+    def status(self, *, digests: bool = False) -> ReceiverStatus:
         """The version, the open transfer, and optionally every tensor's digest."""
         opened = self._open
-        report: dict[str, Any] = {
-            "version": self.version,
-            "open": None
+        return ReceiverStatus(
+            self.version,
+            None
             if opened is None
-            else {
-                "transfer_id": opened.transfer_id,
-                "target": opened.target.value,
-                "payloads": opened.payloads,
-                "undo_bytes": opened.undo.nbytes,
-            },
-        }
-        if digests:
-            report["digests"] = {name: tensor_digest(t) for name, t in self._tensors.items()}
-        return report
+            else ReceiverOpen(
+                opened.transfer_id, opened.target.value, opened.payloads, opened.undo.nbytes
+            ),
+            {name: tensor_digest(t) for name, t in self._tensors.items()} if digests else None,
+        )
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """The base and target a payload's BEGIN declared (None: not declared, a receiver called
+    directly), which every item of the payload must name."""
+
+    base: int | None
+    target: int | None
+    declared: bool
+
+    @classmethod
+    def of(cls, metadata: Mapping[str, Any]) -> _Declared:
+        declared = "target" in metadata
+        base, target = metadata.get("base"), metadata.get("target")
+        return cls(
+            None if base is None else int(base), None if target is None else int(target), declared
+        )
+
+    def check(self, items: Iterable[ItemHeader], transfer_id: str) -> None:
+        """Raise ``ProtocolError`` for an item whose base or target differs from the BEGIN's."""
+        if not self.declared:
+            return
+        for item in items:
+            base = None if item.base is None else item.base.value
+            if (base, item.target.value) != (self.base, self.target):
+                raise ProtocolError(
+                    f"payload of transfer {transfer_id}: item {item.name!r} goes from "
+                    f"{base} to {item.target.value}, its BEGIN from {self.base} to {self.target}"
+                )
 
 
 def _targets(items: Iterable[ItemHeader]) -> frozenset[WeightVersion]:
@@ -302,7 +351,7 @@ class _IncomingPayload:
         stream: PayloadStream,
         closed: Callable[[], None],
         checksum: str,
-        keep: Callable[[StreamResult], dict[str, Any]],
+        keep: Callable[[StreamResult], ApplyResult],
     ) -> None:
         self._stream = stream
         self._closed = closed
@@ -312,7 +361,7 @@ class _IncomingPayload:
     def feed(self, chunk: memoryview) -> None:
         self._stream.feed(chunk)
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> ApplyResult:
         try:
             result = self._stream.finish(self._checksum)
             try:

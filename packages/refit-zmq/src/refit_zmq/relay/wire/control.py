@@ -9,21 +9,22 @@ never answers yields a ``RefitTimeoutError`` naming it; a NACK yields its typed 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from refit_core.errors import AuthenticationError, RefitError, RefitTimeoutError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode, error_for_nack
-from refit_zmq.relay.frames import Kind, Message, encode
-from refit_zmq.relay.link import Link, LinkSettings
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import NackCode, error_for_nack
+from refit_zmq.relay.wire.frames import Kind, Message, encode
+from refit_zmq.relay.wire.link import Link, LinkSettings
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ControlChannel", "Reply"]
 
@@ -39,6 +40,7 @@ class _Call:
     fields: dict[str, Any]
     request_id: str
     reply_within_s: float
+    end: float
     attempt: int = 0
     until: float = 0.0
     send_at: float = 0.0
@@ -77,20 +79,24 @@ class ControlChannel:
         requests: Mapping[str, tuple[Kind, dict[str, Any]]],
         *,
         reply_within_s: float,
+        until: float | None = None,
     ) -> dict[str, Reply]:
         """Send ``requests`` (relay -> (kind, fields)) and wait for every answer.
 
         Args:
             requests: one request per relay address.
             reply_within_s: how long one attempt waits for its reply.
+            until: the ``time.monotonic()`` instant by which every attempt ends, retries
+                included (None: no bound besides the attempts).
 
         Returns:
             Relay -> its DONE result or the error its request ended in, after at most
-            ``(retries + 1) * reply_within_s`` plus backoff.
+            ``(retries + 1) * reply_within_s`` plus backoff, and never after ``until``.
         """
         now = time.monotonic()
+        end = math.inf if until is None else until
         calls = {
-            address: _Call(kind, fields, uuid.uuid4().hex, reply_within_s, send_at=now)
+            address: _Call(kind, fields, uuid.uuid4().hex, reply_within_s, end, send_at=now)
             for address, (kind, fields) in requests.items()
         }
         replies: dict[str, Reply] = {}
@@ -117,7 +123,7 @@ class ControlChannel:
         if call.send_at and now >= call.send_at:
             if not call.until:
                 call.attempt += 1
-                call.until = now + call.reply_within_s
+                call.until = min(now + call.reply_within_s, call.end)
             fields = {"request_id": call.request_id, **call.fields}
             try:
                 if self._link(address).try_send(encode(call.kind, fields, self._signer)):
@@ -128,14 +134,18 @@ class ControlChannel:
                 return
         if call.until and now >= call.until:
             what = "send" if call.send_at else "answer"
+            within = (
+                "before the deadline"
+                if call.until >= call.end
+                else f"within {call.reply_within_s:.1f} s"
+            )
             self._retry_or_fail(
                 address,
                 call,
                 now,
                 replies,
                 RefitTimeoutError(
-                    f"relay {address}: could not {what} {call.kind} within "
-                    f"{call.reply_within_s:.1f} s (dead or frozen)"
+                    f"relay {address}: could not {what} {call.kind} {within} (dead or frozen?)"
                 ),
             )
 
@@ -144,7 +154,12 @@ class ControlChannel:
     ) -> None:
         link = self._link(address)
         link.reset()
-        if isinstance(error, AuthenticationError) or call.attempt > self._tuning.retries:
+        pause_s = self._tuning.backoff(call.attempt - 1)
+        if (
+            isinstance(error, AuthenticationError)
+            or call.attempt > self._tuning.retries
+            or now + pause_s >= call.end
+        ):
             logger.warning(
                 "relay %s: %s failed after %d attempts: %s", address, call.kind, call.attempt, error
             )
@@ -154,7 +169,7 @@ class ControlChannel:
             "relay %s: %s attempt %d failed (%s); retrying", address, call.kind, call.attempt, error
         )
         call.until = 0.0
-        call.send_at = now + self._tuning.backoff(call.attempt - 1)
+        call.send_at = now + pause_s
 
     def _collect(self, address: str, call: _Call, replies: dict[str, Reply]) -> None:
         link = self._link(address)
@@ -168,6 +183,7 @@ class ControlChannel:
         try:
             reply = link.receive(ours, until=time.monotonic())
         except AuthenticationError as exc:
+            link.reset()
             replies[address] = exc
             return
         if reply is None:
@@ -181,6 +197,12 @@ class ControlChannel:
             relay=reply.text("relay"),
             what=f"{call.kind} {call.fields.get('transfer_id', '')}".strip(),
         )
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Close the links to every relay not in ``addresses`` (linger 0): a link to an
+        address that left the tree would otherwise reconnect to it forever."""
+        for address in [a for a in self._links if a not in addresses]:
+            self._links.pop(address).close()
 
     def close(self) -> None:
         """Close every socket."""

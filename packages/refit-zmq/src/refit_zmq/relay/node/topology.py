@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from refit_zmq.relay.errors import TreeMismatchError
-from refit_zmq.relay.tree import RelayTree
+from refit_zmq.relay.wire.errors import TreeMismatchError
+from refit_zmq.relay.wire.tree import RelayTree
 
 __all__ = ["Topology"]
 

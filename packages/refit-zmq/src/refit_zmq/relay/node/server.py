@@ -1,8 +1,8 @@
 """The relay: a ROUTER in front of a local receiver that applies, acknowledges and forwards.
 
 One event-loop thread owns every socket: it validates each message and hands it to the
-payload path (:mod:`~refit_zmq.relay.intake`) or the transaction path
-(:mod:`~refit_zmq.relay.transactions`). One receiver thread runs the receiver, so an ACK is
+payload path (:mod:`~refit_zmq.relay.node.intake`) or the transaction path
+(:mod:`~refit_zmq.relay.node.transactions`). One receiver thread runs the receiver, so an ACK is
 sent only after the payload is applied locally, and the loop never waits for it. Malformed,
 unauthenticated or unexpected input is answered with a NACK and never stops the loop.
 PROTOCOL.md specifies the messages and the transfer state machine.
@@ -24,21 +24,23 @@ from typing import Any
 import zmq
 
 from refit_core.errors import AuthenticationError, ProtocolError, RefitError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import NackCode, code_for_error
-from refit_zmq.relay.frames import MAX_HEADER_BYTES, Kind, Message, parse, reply_ids
-from refit_zmq.relay.intake import PayloadIntake
-from refit_zmq.relay.jobs import ReceiverJobs
-from refit_zmq.relay.ledger import Ledger
-from refit_zmq.relay.link import socket_options
-from refit_zmq.relay.receiver import Receiver, as_receiver
-from refit_zmq.relay.replies import PAYLOAD_FIELDS, Replies
-from refit_zmq.relay.staging import Staging
-from refit_zmq.relay.subtree import Respond, SubtreeFlush
-from refit_zmq.relay.topology import Topology
-from refit_zmq.relay.transactions import TransferControl
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.apply.receiver import Receiver, as_receiver
+from refit_zmq.relay.node.intake import PayloadIntake
+from refit_zmq.relay.node.jobs import ReceiverJobs
+from refit_zmq.relay.node.ledger import Ledger
+from refit_zmq.relay.node.peers import PeerRequests
+from refit_zmq.relay.node.replies import PAYLOAD_FIELDS, Replies
+from refit_zmq.relay.node.staging import Staging
+from refit_zmq.relay.node.topology import Topology
+from refit_zmq.relay.node.transactions import Respond, TransferControl
+from refit_zmq.relay.node.unattended import Unattended
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import NackCode, code_for_error
+from refit_zmq.relay.wire.frames import MAX_HEADER_BYTES, Kind, Message, parse, reply_ids
+from refit_zmq.relay.wire.link import socket_options
+from refit_zmq.relay.wire.reports import FlushReport, RelayStatus, SubtreeReport, TreeReply
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ZmqSparseRefitServer"]
 
@@ -64,7 +66,8 @@ class _Parts:
     ledger: Ledger
     intake: PayloadIntake
     control: TransferControl
-    subtree: SubtreeFlush
+    unattended: Unattended
+    peers: PeerRequests
 
 
 class ZmqSparseRefitServer:
@@ -72,10 +75,13 @@ class ZmqSparseRefitServer:
 
     Args:
         apply_payload: the receiver (an object with ``apply``, ``commit``, ``rollback`` and
-            ``status``, see :class:`~refit_zmq.relay.receiver.Receiver`) or its bound ``apply``.
+            ``status``, see :class:`~refit_zmq.relay.apply.receiver.Receiver`) or its bound
+            ``apply``.
         bind_address: where the ROUTER binds (default: loopback, an ephemeral port).
         api_key_env_var: the environment variable holding the API key (None: no key).
-        timeout_s: how long a child, a sender or a queued BEGIN may stay silent.
+        timeout_s: how long a child, a sender or a queued BEGIN may stay silent; an open
+            transfer idle this long is aborted here, and a prepared one left without a
+            decision this long makes the relay ask its peers.
         tuning: fan-out, chunk size, staging budget, high-water marks.
         curve: the relays' CURVE key pair, to encrypt and authenticate the server.
     """
@@ -120,6 +126,7 @@ class ZmqSparseRefitServer:
             router,
             hwm=self._tuning.hwm_messages,
             max_message_bytes=max(self._tuning.chunk_bytes, MAX_HEADER_BYTES) + 64,
+            tuning=self._tuning,
         )
         if self._curve is not None:
             self._curve.secure_server(router)
@@ -139,7 +146,7 @@ class ZmqSparseRefitServer:
 
     def _build(self, context: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes]) -> _Parts:
         replies = Replies(router, self._signer, self._topology)
-        ledger = Ledger(self._receiver.status()["version"])
+        ledger = Ledger(self._receiver.status().version)
         staging = Staging(
             budget_bytes=self._tuning.max_inflight_bytes,
             window=self._tuning.window_payloads,
@@ -165,8 +172,12 @@ class ZmqSparseRefitServer:
             timeout_s=self._timeout_s,
             progress=progress,
         )
-        subtree = SubtreeFlush(
-            signer=self._signer, curve=self._curve, tuning=self._tuning, wake=self._wake
+        peers = PeerRequests(
+            signer=self._signer,
+            curve=self._curve,
+            tuning=self._tuning,
+            wake=self._wake,
+            name="peers",
         )
         control = TransferControl(
             receiver=self._receiver,
@@ -176,9 +187,17 @@ class ZmqSparseRefitServer:
             intake=intake,
             topology=self._topology,
             replies=replies,
-            subtree=subtree,
+            peers=peers,
         )
-        return _Parts(context, router, replies, ledger, intake, control, subtree)
+        unattended = Unattended(
+            ledger=ledger,
+            intake=intake,
+            control=control,
+            topology=self._topology,
+            peers=peers,
+            timeout_s=self._timeout_s,
+        )
+        return _Parts(context, router, replies, ledger, intake, control, unattended, peers)
 
     def configure_tree(self, relay_addresses: Sequence[str], *, own_address: str) -> str:
         """Adopt the tree over ``relay_addresses`` (this relay is ``own_address``); its id."""
@@ -186,7 +205,7 @@ class ZmqSparseRefitServer:
 
     def flush(
         self, transfer_id: str, expected_payloads: int = 0, *, timeout_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> FlushReport:
         """Wait until the transfer's payloads are applied here and acknowledged by the children.
 
         Args:
@@ -197,30 +216,21 @@ class ZmqSparseRefitServer:
         Returns:
             This relay's report: payloads, bytes, timings, per-child acknowledgements, and
             every failure with the relay address and payload id (``complete`` False and a
-            TIMEOUT failure when the wait ran out).
+            TIMEOUT failure when the wait ran out). A complete report prepares the transfer
+            here: from then on only a COMMIT or an ABORT ends it.
         """
-        return self._flush(transfer_id, expected_payloads, timeout_s, subtree=False)
-
-    def _flush(
-        self, transfer_id: str, expected: int, timeout_s: float | None, *, subtree: bool
-    ) -> dict[str, Any]:
-        parts = self._parts
-        if parts is None:
-            raise RuntimeError("relay not started")
         wait_s = self._timeout_s if timeout_s is None else timeout_s
-        future: Future[dict[str, Any]] = Future()
-        respond: Respond = future.set_result
-        if subtree:
-            respond = parts.control.with_subtree(wait_s, respond)
-        self._commands.put(
-            lambda: parts.control.flush(transfer_id, expected, wait_s, False, respond)
+        future: Future[FlushReport] = Future()
+        self._on_loop(
+            lambda parts: parts.control.flush(
+                transfer_id, expected_payloads, wait_s, False, future.set_result
+            )
         )
-        self._wake()
         return future.result(timeout=wait_s + self._timeout_s)
 
     def flush_subtree(
         self, transfer_id: str, expected_payloads: int = 0, *, timeout_s: float | None = None
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, FlushReport]:
         """:meth:`flush`, then the same for every relay this one forwarded to, recursively,
         all within ``timeout_s`` (default: the relay's ``timeout_s``).
 
@@ -228,9 +238,37 @@ class ZmqSparseRefitServer:
             Relay address -> its report, for this relay and its whole subtree (a child that
             did not answer has ``complete`` False and an UNREACHABLE failure).
         """
-        reports = self._flush(transfer_id, expected_payloads, timeout_s, subtree=True)
-        relays: dict[str, dict[str, Any]] = reports["relays"]
-        return relays
+        wait_s = self._timeout_s if timeout_s is None else timeout_s
+        future: Future[SubtreeReport] = Future()
+
+        def start(parts: _Parts) -> None:
+            respond: Respond = parts.control.with_subtree(wait_s, future.set_result)
+            parts.control.flush(transfer_id, expected_payloads, wait_s, False, respond)
+
+        self._on_loop(start)
+        return dict(future.result(timeout=wait_s + self._timeout_s).relays)
+
+    def status(self, *, digests: bool = False) -> RelayStatus:
+        """What STATUS answers: the receiver's version and open transfer, the ledger's open
+        transfer, the staging (and every tensor's digest). Needs no tree."""
+        future: Future[RelayStatus] = Future()
+
+        def answer(status: RelayStatus | BaseException) -> None:
+            if isinstance(status, BaseException):
+                future.set_exception(status)
+            else:
+                future.set_result(status)
+
+        self._on_loop(lambda parts: parts.control.status(digests, answer))
+        return future.result(timeout=self._timeout_s)
+
+    def _on_loop(self, fn: Callable[[_Parts], None]) -> None:
+        """Run ``fn`` on the event loop (the relay must be started)."""
+        parts = self._parts
+        if parts is None:
+            raise RuntimeError("relay not started")
+        self._commands.put(lambda: fn(parts))
+        self._wake()
 
     def close(self) -> None:
         """Stop serving and close every socket; idempotent."""
@@ -246,7 +284,7 @@ class ZmqSparseRefitServer:
                 return
         self._jobs.close()
         if self._parts is not None:
-            self._parts.subtree.close()
+            self._parts.peers.close()
             self._parts.context.term()
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):
@@ -310,7 +348,10 @@ class ZmqSparseRefitServer:
         while not self._commands.empty():
             self._commands.get_nowait()()
         self._jobs.finish()
-        parts.subtree.finish()
+        parts.peers.finish()
+        now = time.monotonic()
+        parts.unattended.expire(now)
+        parts.intake.expire(now)
         if parts.router in events:
             self._read(parts)
         for child in children:
@@ -318,7 +359,6 @@ class ZmqSparseRefitServer:
                 child.receive()
             else:
                 child.pump()
-        parts.intake.expire(time.monotonic())
         parts.control.check_flushes()
 
     def _read(self, parts: _Parts) -> None:
@@ -327,6 +367,7 @@ class ZmqSparseRefitServer:
                 frames = parts.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            parts.unattended.expire(time.monotonic())  # no message of a transfer past its end
             self._handle(parts, frames[0].bytes, [frame.buffer for frame in frames[1:]])
 
     def _handle(self, parts: _Parts, identity: bytes, frames: list[memoryview]) -> None:
@@ -348,6 +389,7 @@ class ZmqSparseRefitServer:
             Kind.COMMIT: parts.control.on_commit,
             Kind.ABORT: parts.control.on_abort,
             Kind.STATUS: parts.control.on_status,
+            Kind.OUTCOME: parts.control.on_outcome,
             Kind.CONFIGURE: self._on_configure,
         }
         handler = handlers.get(message.kind)
@@ -370,7 +412,8 @@ class ZmqSparseRefitServer:
             message.strings("relays"), message.text("own_address"), message.number("fanout")
         )
         assert self._parts is not None
-        self._parts.replies.done(identity, message.text("request_id"), {"tree": tree_id})
+        reply = TreeReply(tree_id)
+        self._parts.replies.done(identity, message.text("request_id"), reply.to_json())
 
     def _configure(self, relays: list[str], own: str, fanout: int | None) -> str:
         tree = self._topology.configure(relays, own, fanout or self._tuning.fanout)

@@ -1,6 +1,8 @@
 """The shared API key: HMAC-SHA256 of every header, compared in constant time.
 
-The key itself never travels: each message carries the MAC of its header bytes under the key.
+The key itself never travels: each message carries the MAC of its header bytes under the key
+(the 32 raw bytes of HMAC-SHA256, keyed with the UTF-8 bytes of the key's text); a side
+without a key sends and accepts only an empty MAC.
 A relay reads the key only from the environment variable it is told to use; the key's value
 is never logged, formatted into an error, or kept in a ``repr``.
 """
@@ -68,10 +70,13 @@ class Signer:
         return hmac.new(self._key, header, hashlib.sha256).digest()
 
     def verify(self, header: BytesLike, mac: BytesLike) -> None:
-        """Raise AuthenticationError unless ``mac`` is the MAC of ``header`` under the key."""
-        if self._key is None:
-            return
+        """Raise AuthenticationError unless ``mac`` is the MAC of ``header`` under the key
+        (without a key: unless ``mac`` is empty)."""
         given = bytes(mac)
+        if self._key is None:
+            if given:
+                raise AuthenticationError("message carries a MAC, but this side has no API key")
+            return
         if not given:
             raise AuthenticationError("message carries no API key MAC")
         if not hmac.compare_digest(given, self.sign(header)):

@@ -10,13 +10,15 @@ abort its tracker's baseline. Everything it receives is plain, picklable data.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
+from refit_core.deadline import Deadline
 from refit_core.protocols import PolicyLike
 from refit_zmq.codec import tensor_digest
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.streaming import stream_sparse_delta_payloads_via_zmq
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.producer.streaming import stream_sparse_delta_payloads_via_zmq
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.tuning import RelayTuning
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
 __all__ = ["ShardProducer", "StreamOrder", "TransferOptions"]
@@ -46,13 +48,19 @@ class TransferOptions:
 
 @dataclass(frozen=True)
 class StreamOrder:
-    """What one producer streams in one transfer (sent to every producer alike)."""
+    """What one producer streams in one transfer (sent to every producer alike).
+
+    ``deadline_s`` is what was left of the refit's deadline when the order was made (None:
+    none): seconds, not a time of day, since hosts' clocks differ; the producer counts it
+    from when it gets the order.
+    """
 
     transfer_id: str
     relays: tuple[str, ...]
     target_version: int
     resync: bool
     options: TransferOptions
+    deadline_s: float | None = None
 
 
 class ShardProducer:
@@ -98,6 +106,9 @@ class ShardProducer:
             )
             tracker.abort()
         options = order.options
+        deadline = Deadline.never()
+        if order.deadline_s is not None:
+            deadline = Deadline(time.monotonic() + order.deadline_s)
         return stream_sparse_delta_payloads_via_zmq(
             self._policy.weight_source().iter_tensors(),
             delta_tracker=tracker,
@@ -112,6 +123,7 @@ class ShardProducer:
             verification_candidates=options.verification_candidates,
             tuning=options.tuning,
             curve=options.curve,
+            deadline=deadline,
         )
 
     def refit_digests(self) -> dict[str, int]:

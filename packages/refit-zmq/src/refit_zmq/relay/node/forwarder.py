@@ -23,12 +23,12 @@ from typing import Any, Protocol
 import zmq
 
 from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.errors import RETRYABLE, NackCode
-from refit_zmq.relay.frames import Kind, Message, encode, parse
-from refit_zmq.relay.link import Link
-from refit_zmq.relay.staging import PayloadKey, StagedPayload
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.node.staging import PayloadKey, StagedPayload
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.errors import RETRYABLE, NackCode
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.link import Link
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ChildLink", "Forward", "ForwardEvents"]
 
@@ -73,11 +73,14 @@ class ForwardEvents(Protocol):
     def released(self, forward: Forward) -> None:
         """The child link no longer needs the payload's staged bytes."""
 
-    def acked(self, child: str, forward: Forward, result: dict[str, Any]) -> None:
+    def acked(self, child: str, forward: Forward) -> None:
         """The child applied the payload."""
 
     def failed(self, child: str, forward: Forward, code: str, message: str) -> None:
         """The child refused the payload, or stopped answering."""
+
+    def deadline_s(self, transfer_id: str) -> float | None:
+        """Seconds left of the transfer's deadline (None: it has none)."""
 
 
 class ChildLink:
@@ -133,8 +136,10 @@ class ChildLink:
         self.pump()
 
     def pump(self) -> None:
-        """Send whatever can be sent now."""
+        """Send whatever can be sent now (called on every turn of the relay's loop, which
+        also drains the link's monitor while the link is being established)."""
         try:
+            self._link.poll_events()
             self._pump()
         except (AuthenticationError, RefitTimeoutError) as exc:
             self._fail_all(str(exc))
@@ -190,6 +195,7 @@ class ChildLink:
             "producer_id": producer_id,
             "payload_id": payload_id,
             "total_bytes": staged.total_bytes,
+            "deadline_s": self._events.deadline_s(transfer_id),
         }
         if not self._send(encode(Kind.BEGIN, fields, self._signer)):
             return False
@@ -280,7 +286,7 @@ class ChildLink:
         NACK before READY: BEGIN again after a backoff), so the caller keeps it in place."""
         if message.kind is Kind.ACK:
             self._release(forward)
-            self._events.acked(self.address, forward, message.mapping("result"))
+            self._events.acked(self.address, forward)
             return False
         if message.kind is not Kind.NACK:
             return False
@@ -323,22 +329,28 @@ class ChildLink:
             self._events.failed(self.address, forward, "UNREACHABLE", reason)
 
     def drop(self, match: Callable[[PayloadKey], bool]) -> None:
-        """Forget the payloads whose key ``match`` accepts (aborted, or stalled upstream)."""
-        if self._current is not None and match(self._current.key):
-            self._release(self._current)
-            self._current = None
-            self._link.reset()
-        for forward in [f for f in self._queue if match(f.key)]:
-            self._queue.remove(forward)
-            self._release(forward)
+        """Forget the payloads whose key ``match`` accepts (aborted, or stalled upstream).
+
+        They are taken off first and released after: a release may admit another payload,
+        which comes back here through :meth:`add`."""
+        dropped = [f for f in self._queue if match(f.key)]
+        self._queue = deque(f for f in self._queue if not match(f.key))
         for key in [k for k in self._unacked if match(k)]:
             del self._unacked[key]
+        current = self._current
+        if current is not None and match(current.key):
+            self._current = None
+            self._link.reset()
+            dropped.insert(0, current)
+        for forward in dropped:
+            self._release(forward)
 
     def close(self) -> None:
         """Drop everything and close the socket."""
-        for forward in list(self._all()):
-            self._release(forward)
+        forwards = list(self._all())
         self._current = None
         self._queue.clear()
         self._unacked.clear()
         self._link.close()
+        for forward in forwards:
+            self._release(forward)

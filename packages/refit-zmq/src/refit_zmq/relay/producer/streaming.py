@@ -12,16 +12,16 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
+from refit_core.deadline import Deadline
 from refit_core.types import NamedTensor, WeightVersion
 from refit_zmq.codec import DeltaPayload
-from refit_zmq.relay.auth import api_key_from_env
-from refit_zmq.relay.client import ZmqSparseRefitClient
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
+from refit_zmq.relay.wire.auth import api_key_from_env
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.tuning import RelayTuning
 from refit_zmq.tracker import DeltaCompressionTracker
 
 __all__ = ["deliver_payloads", "stream_sparse_delta_payloads_via_zmq"]
@@ -45,6 +45,7 @@ def stream_sparse_delta_payloads_via_zmq(
     tuning: RelayTuning | None = None,
     curve: CurveConfig | None = None,
     senders: int | None = None,
+    deadline: Deadline | None = None,
 ) -> dict[str, int]:
     """Encode this shard's refit and deliver every payload to its root relay.
 
@@ -68,6 +69,8 @@ def stream_sparse_delta_payloads_via_zmq(
         curve: the relays' CURVE public key, when they encrypt.
         senders: payloads in flight at once (one DEALER each; default: the tuning's
             ``window_payloads``, as many as the root stages for one tree).
+        deadline: the refit's deadline; every BEGIN carries what is left of it, and no
+            send or wait runs past it (default: none).
 
     Returns:
         ``payloads``, ``tensors``, ``changed_elements``, ``wire_bytes`` and ``dense_bytes``.
@@ -111,6 +114,7 @@ def stream_sparse_delta_payloads_via_zmq(
             target_version=target.value,
             verification_candidates=verification_candidates,
             senders=senders,
+            deadline=deadline,
         )
     except BaseException:
         _close(payloads)
@@ -141,15 +145,17 @@ def deliver_payloads(
     target_version: int,
     verification_candidates: int,
     senders: int = 2,
+    deadline: Deadline | None = None,
 ) -> dict[str, int]:
-    """Send ``payloads`` as they come, ``senders`` at a time (each thread its own DEALER).
+    """Send ``payloads`` as they come, ``senders`` at a time (each thread its own DEALER),
+    within ``deadline`` (see :meth:`ZmqSparseRefitClient.send_payload`).
 
     Payload ``i`` is named ``{payload_prefix}.{i}``. Returns ``payloads``, ``tensors``,
     ``changed_elements``, ``wire_bytes`` and ``dense_bytes``; raises the first send's error.
     """
     stats = {"payloads": 0, "tensors": 0, "changed_elements": 0, "wire_bytes": 0, "dense_bytes": 0}
     names: set[str] = set()
-    in_flight: deque[Future[dict[str, Any]]] = deque()
+    in_flight: deque[Future[Acknowledged]] = deque()
     with ThreadPoolExecutor(senders, thread_name_prefix="refit-send") as pool:
         for index, payload in enumerate(payloads):
             names.update(item.name for item in payload.items)
@@ -168,6 +174,7 @@ def deliver_payloads(
                     relay_root=relay_root,
                     base_version=base_version,
                     target_version=target_version,
+                    deadline=deadline,
                 )
             )
             while len(in_flight) >= senders:

@@ -13,20 +13,23 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from refit_core.errors import RefitTimeoutError
+from refit_core.deadline import Deadline
+from refit_core.errors import AuthenticationError, RefitTimeoutError
 from refit_zmq.codec.format import BytesLike, DeltaPayload
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import RETRYABLE, NackCode, error_for_nack
-from refit_zmq.relay.frames import Kind, Message, encode
-from refit_zmq.relay.link import Link, LinkSettings
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import RETRYABLE, NackCode, error_for_nack
+from refit_zmq.relay.wire.frames import Kind, Message, encode, transfer_target
+from refit_zmq.relay.wire.link import Link, LinkSettings
+from refit_zmq.relay.wire.reports import ApplyResult
+from refit_zmq.relay.wire.tuning import RelayTuning
 
-__all__ = ["ZmqSparseRefitClient"]
+__all__ = ["Acknowledged", "ZmqSparseRefitClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,17 @@ def _chunks(frames: Sequence[BytesLike], chunk_bytes: int) -> Iterator[tuple[int
 
 class _NoReplyError(Exception):
     """One attempt got no reply in time."""
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """A relay's ACK of one payload: who answered, whether it had the payload already
+    (``duplicate``: not applied again), the attempts it took, and the receiver's result."""
+
+    relay: str
+    duplicate: bool
+    attempts: int
+    result: ApplyResult
 
 
 class ZmqSparseRefitClient:
@@ -116,11 +130,12 @@ class ZmqSparseRefitClient:
         producer_id: str | None = None,
         base_version: int | None = None,
         target_version: int | None = None,
-    ) -> dict[str, Any]:
+        deadline: Deadline | None = None,
+    ) -> Acknowledged:
         """Deliver one payload; return the relay's ACK once it has applied it.
 
         Args:
-            transfer_id: the transfer the payload belongs to.
+            transfer_id: the transfer the payload belongs to (``v<target>-<16 hex>``).
             payload_id: unique within (transfer, producer); a retry reuses it.
             checksum: the payload's xxh3-128 (``DeltaPayload.checksum``), 32 hex digits.
             verification_candidates: changed entries every receiver re-reads after applying
@@ -128,16 +143,21 @@ class ZmqSparseRefitClient:
             body: the payload (its frames are sent back to back, in chunks).
             relay_root: the relay whose tree carries the payload (None: the addressed one).
             producer_id: overrides the client's producer id for this payload.
-            base_version: the version the payload is a delta against (None: a resync).
-            target_version: the version it brings receivers to (lets relays refuse early).
-
-        Returns:
-            ``{"relay", "duplicate", "attempts", **result}`` where result is the receiver's.
+            base_version: the version the payload is a delta against (None: a resync); every
+                item of the payload must name it.
+            target_version: the version it brings receivers to (default: the one the
+                transfer id names; another is refused).
+            deadline: the transfer's deadline: the BEGIN carries what is left of it, and no
+                wait or retry runs past it (default: none; each wait takes ``timeout_s``).
 
         Raises:
-            RefitTimeoutError: no answer after every attempt.
+            RefitTimeoutError: no answer after every attempt, or the deadline passed.
             RefitError: the relay refused the payload (a typed error per NACK code).
         """
+        target = transfer_target(transfer_id)
+        if target_version is not None and target_version != target:
+            raise ValueError(f"transfer {transfer_id} targets {target}, not {target_version}")
+        deadline = deadline or Deadline.never()
         producer = producer_id or self.producer_id
         frames = _frames(body)
         total = sum(memoryview(frame).nbytes for frame in frames)
@@ -155,14 +175,18 @@ class ZmqSparseRefitClient:
             **common,
             "verification_candidates": verification_candidates,
             "base": base_version,
-            "target": target_version,
+            "target": target,
         }
         link = self._link()
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self._tuning.backoff(attempt - 1))
+                time.sleep(min(self._tuning.backoff(attempt - 1), deadline.remaining_s() or 0.0))
+            deadline.check(f"payload {payload_id} of transfer {transfer_id} reached {self.address}")
             try:
-                reply = self._attempt(link, key, begin, common, frames)
+                reply = self._attempt(link, key, begin, common, frames, deadline)
+            except AuthenticationError:
+                link.reset()
+                raise
             except _NoReplyError as exc:
                 logger.warning(
                     "relay %s: payload %s attempt %d timed out (%s); reconnecting",
@@ -174,12 +198,12 @@ class ZmqSparseRefitClient:
                 link.reset()
                 continue
             if reply.kind is Kind.ACK:
-                return {
-                    "relay": reply.text("relay"),
-                    "duplicate": reply.flag("duplicate"),
-                    "attempts": attempt + 1,
-                    **reply.mapping("result"),
-                }
+                return Acknowledged(
+                    reply.text("relay"),
+                    reply.flag("duplicate"),
+                    attempt + 1,
+                    ApplyResult.from_json(reply.mapping("result")),
+                )
             code = NackCode(reply.text("code"))
             if code not in RETRYABLE:
                 raise error_for_nack(
@@ -199,10 +223,12 @@ class ZmqSparseRefitClient:
         begin: dict[str, Any],
         common: dict[str, Any],
         frames: Sequence[BytesLike],
+        deadline: Deadline,
     ) -> Message:
         """BEGIN, wait for READY, stream the chunks, wait for ACK; the final reply."""
-        self._send(link, encode(Kind.BEGIN, begin, self._signer))
-        reply = self._wait(link, key, (Kind.READY, Kind.ACK, Kind.NACK))
+        begin = {**begin, "deadline_s": deadline.remaining_s()}
+        self._send(link, encode(Kind.BEGIN, begin, self._signer), deadline)
+        reply = self._wait(link, key, (Kind.READY, Kind.ACK, Kind.NACK), deadline)
         if reply.kind is not Kind.READY:
             return reply
         chunk_bytes = min(
@@ -210,20 +236,26 @@ class ZmqSparseRefitClient:
         )
         for offset, chunk in _chunks(frames, max(1, chunk_bytes)):
             data = encode(Kind.DATA, {**common, "offset": offset}, self._signer, chunk)
-            self._send(link, data)
-        return self._wait(link, key, (Kind.ACK, Kind.NACK))
+            self._send(link, data, deadline)
+        return self._wait(link, key, (Kind.ACK, Kind.NACK), deadline)
 
-    def _send(self, link: Link, frames: list[BytesLike]) -> None:
+    def _until(self, deadline: Deadline) -> float:
+        until = time.monotonic() + self.timeout_s
+        return until if deadline.at is None else min(until, deadline.at)
+
+    def _send(self, link: Link, frames: list[BytesLike], deadline: Deadline) -> None:
         try:
-            link.send(frames, until=time.monotonic() + self.timeout_s, copy=False)
+            link.send(frames, until=self._until(deadline), copy=False)
         except RefitTimeoutError as exc:
             raise _NoReplyError(str(exc)) from None
 
-    def _wait(self, link: Link, key: tuple[str, str, str], kinds: tuple[Kind, ...]) -> Message:
+    def _wait(
+        self, link: Link, key: tuple[str, str, str], kinds: tuple[Kind, ...], deadline: Deadline
+    ) -> Message:
         def ours(message: Message) -> bool:
             return message.kind in kinds and _key_of(message) == key
 
-        reply = link.receive(ours, until=time.monotonic() + self.timeout_s)
+        reply = link.receive(ours, until=self._until(deadline))
         if reply is None:
             raise _NoReplyError(f"no {'/'.join(kinds)} within {self.timeout_s:.1f} s")
         return reply
