@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 import zmq
 
-from refit_lab.bench.harness import TimingStats, gbps, timeit
+from refit_lab.bench.harness import TimingStats, gbps
 from refit_lab.bench.runtime import ChildGroup, Deadline, torch_threads
 
 if TYPE_CHECKING:
@@ -38,15 +38,37 @@ def _default_timeout_s(total_bytes: int) -> float:
     return 60.0 + total_bytes / 50e6
 
 
-def memcpy_gbps(nbytes: int, *, repeats: int, threads: int) -> float:
-    """`torch` `copy_` of a contiguous uint8 buffer into a preallocated one, with `threads`."""
-    import torch
+class Memcpy:
+    """`torch` `copy_` of a contiguous uint8 buffer into a preallocated one, with `threads`,
+    on `device` (a GPU: a device-to-device copy); both buffers are touched before any timing.
+    Keep one across interleaved rounds so every round pays for one copy and nothing else."""
 
-    with torch_threads(threads):
-        src = torch.full((nbytes,), _FILL, dtype=torch.uint8)
-        dst = torch.zeros_like(src)
-        stats = timeit(lambda: dst.copy_(src), repeats=repeats, warmup=1)
-    rate = gbps(nbytes, stats.median_s)
+    def __init__(self, nbytes: int, *, threads: int, device: str = "cpu") -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self._threads = threads
+        self._device = device
+        self._src = torch.full((nbytes,), _FILL, dtype=torch.uint8, device=device)
+        self._dst = torch.zeros_like(self._src)
+        self.seconds()
+
+    def seconds(self) -> float:
+        """Time one copy (a GPU copy to its completion)."""
+        import torch
+
+        with torch_threads(self._threads):
+            started = time.perf_counter()
+            self._dst.copy_(self._src)
+            if self._device != "cpu":
+                torch.cuda.synchronize(self._device)
+            return time.perf_counter() - started
+
+
+def memcpy_gbps(nbytes: int, *, repeats: int, threads: int) -> float:
+    """:class:`Memcpy` of `nbytes`: the median rate of `repeats` copies after a warm-up."""
+    copy = Memcpy(nbytes, threads=threads)
+    rate = gbps(nbytes, TimingStats.from_samples([copy.seconds() for _ in range(repeats)]).median_s)
     logger.info("memcpy %d bytes: %.3f GB/s (median of %d)", nbytes, rate, repeats)
     return rate
 

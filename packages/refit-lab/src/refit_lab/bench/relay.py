@@ -50,7 +50,7 @@ import zmq
 from refit_core.participants import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_core.types import WeightVersion
-from refit_lab.bench.codec import Trajectory, calibrate_lr
+from refit_lab.bench.deltas import Trajectory, calibrate_lr
 from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
 from refit_lab.bench.references import _FILL, MiB, _zmq_receiver, zmq_stream
 from refit_lab.bench.runtime import ChildGroup, Deadline
