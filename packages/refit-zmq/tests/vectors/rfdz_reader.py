@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import xxhash
 import zstandard
@@ -60,30 +60,9 @@ class Buffer:
 
 
 @dataclass(frozen=True)
-class Item:
-    name: str
-    dtype: str
-    dtype_code: int
-    shape: tuple[int, ...]
-    span_start: int
-    span_stop: int
-    encoding: str
-    gap_width: int
-    first: int
-    count: int
-    base: int | None
-    target: int
-    buffers: tuple[int, ...]
-    writes: tuple[tuple[int, bytes], ...]
-    """(tensor row-major flat index, new element bytes) of every element written, in order."""
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype_code][1]
-
-
-@dataclass(frozen=True)
 class Payload:
+    """A verified, decoded payload."""
+
     checksum: str
     frames: tuple[int, ...]
     buffers: tuple[Buffer, ...]
@@ -128,7 +107,9 @@ def _buffer(cursor: _Cursor) -> Buffer:
 
 
 @dataclass(frozen=True)
-class _Header:
+class Header:
+    """One item record of the header, as CODEC.md section 4 lays it out."""
+
     name: str
     dtype_code: int
     shape: tuple[int, ...]
@@ -156,7 +137,24 @@ class _Header:
         }[self.encoding]
 
 
-def _item(cursor: _Cursor) -> _Header:
+@dataclass(frozen=True)
+class Item(Header):
+    """A header with the buffers it owns and the elements it writes."""
+
+    buffers: tuple[int, ...]
+    writes: tuple[tuple[int, bytes], ...]
+    """(tensor row-major flat index, new element bytes) of every element written, in order."""
+
+    @property
+    def dtype(self) -> str:
+        return DTYPES[self.dtype_code][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype_code][1]
+
+
+def _item(cursor: _Cursor) -> Header:
     name_len = cursor.read("H")
     try:
         name = cursor.take(name_len).decode("utf-8")
@@ -174,7 +172,7 @@ def _item(cursor: _Cursor) -> _Header:
     numel = 1
     for dim in shape:
         numel *= dim
-    h = _Header(
+    h = Header(
         name,
         dtype_code,
         shape,
@@ -241,7 +239,7 @@ def _decode_buffer(buffer: Buffer, stored: bytes) -> bytes:
     return bytes(out)
 
 
-def _indices(h: _Header, locations: bytes) -> list[int]:
+def _indices(h: Header, locations: bytes) -> list[int]:
     if h.encoding == "GAPS":
         fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[h.gap_width]
         gaps = struct.unpack(f"<{h.count - 1}{fmt}", locations)
@@ -322,24 +320,8 @@ def read(data: bytes) -> Payload:
             writes = tuple(
                 (h.span_start + j, values[n * size : (n + 1) * size]) for n, j in enumerate(indices)
             )
-        items.append(
-            Item(
-                h.name,
-                DTYPES[h.dtype_code][0],
-                h.dtype_code,
-                h.shape,
-                h.span_start,
-                h.span_stop,
-                h.encoding,
-                h.gap_width,
-                h.first,
-                h.count,
-                h.base,
-                h.target,
-                own,
-                writes,
-            )
-        )
+        header = {f.name: getattr(h, f.name) for f in fields(h)}
+        items.append(Item(**header, buffers=own, writes=writes))
     return Payload(data[12:28].hex(), tuple(frames), buffers, tuple(items))
 
 
