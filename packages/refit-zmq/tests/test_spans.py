@@ -65,3 +65,13 @@ def test_digest_of_strided_tensors_through_blocks_matches_the_trainer(
     base = torch.randn(40, 70, generator=gen).to(torch.bfloat16)
     for tensor in (base, base.t(), base[3:, 5:60:2], base[0, 0]):
         assert tensor_digest(tensor) == trainer_digest(tensor)
+
+
+@pytest.mark.gpu
+def test_digest_of_gpu_tensors_block_by_block_matches_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(digest, "DIGEST_BLOCK_BYTES", 4096)
+    base = torch.randn(300, 70, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for tensor in (base, base.t(), base[3:, 5:60:2]):
+        assert tensor_digest(tensor.to("cuda")) == trainer_digest(tensor)
