@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refit_zmq.codec.diff import diff_range
-from refit_zmq.codec.dtypes import flat_bits, unsigned_numpy_dtype
+from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -17,6 +17,12 @@ WIDTHS = (1, 2, 4, 8)
 def _reference(base: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     indices = np.flatnonzero(base != new)
     return indices, new[indices]
+
+
+def flat_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bits as a flat unsigned array sharing its memory."""
+    array: np.ndarray = int_view(tensor).reshape(-1).numpy()
+    return array.view(unsigned_numpy_dtype(tensor.element_size()))
 
 
 def _run(
