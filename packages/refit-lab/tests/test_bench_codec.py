@@ -123,7 +123,7 @@ def test_gpu_bench_logic_on_cpu_tensors() -> None:
     ctx = BenchContext(quick=True, threads=2, size_bytes=1 << 20)
     report = codec_gpu.measure_gpu(ctx, repeats=1, device="cpu")
     cases = {row["case"] for row in report.results}
-    assert cases == {"d2d_copy", *codec_gpu.ENCODERS, "torch_ne_nonzero"}
+    assert cases == {"d2d_copy", *codec_gpu.ENCODERS, "refit_gpu_diff", "torch_ne_nonzero"}
     assert report.summary["bitexact"] is True
     assert report.summary["state_bytes"] >= 1 << 20
     assert 0 < report.summary["to_host_fraction"] < 0.1

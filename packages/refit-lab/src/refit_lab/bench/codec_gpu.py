@@ -10,6 +10,8 @@ round, interleaved on the same tensors:
   and gather there; only changed indices and values cross), checksum and coding included;
 - ``refit_gpu_pinned``: the same with the baseline in pinned host memory (each item's
   baseline is copied to the GPU before its compare);
+- ``refit_gpu_diff``: the GPU encoder's change detection alone (``codec.device_diff``: word
+  compare, indices, gather, the changes copied to the host) per item of 64 MiB, no coding;
 - ``torch_ne_nonzero``: torch's own ``ne`` and ``nonzero`` per tensor, the gather of the new
   values and both copied to the host (the straightforward GPU delta, without coding);
 - ``refit_host``: the tracker's host path (owned spans copied to pinned host memory, then the
@@ -40,6 +42,7 @@ from refit_lab.bench.deltas import (
 from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
 from refit_lab.bench.references import Memcpy
 from refit_zmq.codec import DeltaPayload, apply_payload
+from refit_zmq.codec.device_diff import fetch_diff
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
 __all__ = ["FULL_BYTES", "QUICK_BYTES", "measure_gpu"]
@@ -50,6 +53,8 @@ FULL_BYTES = 8 << 30
 QUICK_BYTES = 1 << 30
 FRACTION = 0.01
 REPEATS = 3
+ITEM_ELEMENTS = (64 << 20) // 2
+"""bf16 elements of one item (the tracker's default ``max_item_bytes``)."""
 ENCODERS = {
     "refit_gpu": {"compare_on": "device", "device_baseline": "device"},
     "refit_gpu_pinned": {"compare_on": "device", "device_baseline": "pinned"},
@@ -70,6 +75,15 @@ def _timed(fn: Callable[[], object], device: str) -> float:
     fn()
     sync()
     return time.perf_counter() - started
+
+
+def _refit_gpu_diff(old: State, new: State) -> None:
+    """refit's device change detection over every item, changes fetched, nothing coded."""
+    for name, tensor in new.items():
+        bits, base = tensor.view(torch.int16).reshape(-1), old[name].view(torch.int16).reshape(-1)
+        for start in range(0, bits.numel(), ITEM_ELEMENTS):
+            stop = start + ITEM_ELEMENTS
+            fetch_diff(base[start:stop], bits[start:stop])
 
 
 def _torch_ne_nonzero(old: State, new: State) -> None:
@@ -134,6 +148,7 @@ def measure_gpu(
     cases: dict[str, Callable[[], object]] = {
         "d2d_copy": copy.seconds,
         **encoders,
+        "refit_gpu_diff": lambda: _refit_gpu_diff(old, new),
         "torch_ne_nonzero": lambda: _torch_ne_nonzero(old, new),
     }
     seconds: dict[str, list[float]] = {name: [] for name in cases}
@@ -172,6 +187,12 @@ def measure_gpu(
         ),
         **PairedRatio.of(gpu, seconds["torch_ne_nonzero"], dense).summary(
             "gpu_encode_speedup_vs_torch_ne_nonzero"
+        ),
+        **PairedRatio.of(seconds["refit_gpu_diff"], seconds["d2d_copy"], dense).summary(
+            "gpu_diff_fraction_of_d2d_copy"
+        ),
+        **PairedRatio.of(seconds["refit_gpu_diff"], seconds["torch_ne_nonzero"], dense).summary(
+            "gpu_diff_speedup_vs_torch_ne_nonzero"
         ),
         **PairedRatio.of(gpu, seconds["refit_host"], dense).summary(
             "gpu_encode_speedup_vs_host_path"
