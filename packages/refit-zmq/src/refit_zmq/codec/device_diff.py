@@ -56,7 +56,7 @@ class HostDiff:
     """The changed elements of one device compare, on the host.
 
     Attributes:
-        indices: int64 span-relative indices, ascending.
+        indices: span-relative indices, ascending (int32 where the span allows, else int64).
         values: the new bits of those elements (numpy, the tensor's integer width).
         to_host_bytes: bytes that crossed from the device (indices sent as int32 where the
             span allows).
@@ -73,7 +73,5 @@ def fetch_diff(base: torch.Tensor, new: torch.Tensor) -> HostDiff:
     narrow = indices.to(torch.int32) if new.numel() < _INT32_LIMIT else indices
     host_indices, host_values = narrow.cpu(), values.cpu()
     return HostDiff(
-        host_indices.numpy().astype(np.int64),
-        host_values.numpy(),
-        host_indices.nbytes + host_values.nbytes,
+        host_indices.numpy(), host_values.numpy(), host_indices.nbytes + host_values.nbytes
     )
