@@ -10,6 +10,7 @@ from typing import TextIO
 
 from refit_lab.bench.harness import (
     BENCHES,
+    SIZED_BENCHES,
     BenchContext,
     BenchReport,
     format_table,
@@ -32,7 +33,8 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `bench NAME [--quick] [--json PATH] [--out-dir DIR] [--threads N]` to `subparsers`."""
+    """Add `bench NAME [--quick] [--json PATH] [--out-dir DIR] [--threads N] [--device D]
+    [--bytes N]` to `subparsers`."""
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark against its references",
@@ -58,6 +60,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="N",
         help="torch threads for the code under test and the references (default: cores available)",
     )
+    sized = ", ".join(SIZED_BENCHES)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=f"where the state lives ({sized} only; default cpu)",
+    )
+    parser.add_argument(
+        "--bytes",
+        type=_positive_int,
+        dest="size_bytes",
+        metavar="N",
+        help=f"state size in bytes instead of the quick or full size ({sized} only)",
+    )
     parser.set_defaults(handler=run_command)
 
 
@@ -68,7 +84,11 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     if run_all and args.json_path is not None:
         logger.error("--json takes one bench; with 'all' use --out-dir")
         return 2
-    ctx = BenchContext(quick=args.quick, threads=args.threads)
+    device, size_bytes = getattr(args, "device", "cpu"), getattr(args, "size_bytes", None)
+    if (device != "cpu" or size_bytes is not None) and args.name not in SIZED_BENCHES:
+        logger.error("--device and --bytes take one of: %s", ", ".join(SIZED_BENCHES))
+        return 2
+    ctx = BenchContext(quick=args.quick, threads=args.threads, device=device, size_bytes=size_bytes)
     failed: list[str] = []
     reports: dict[str, BenchReport] = {}
     for name in list(BENCHES) if run_all else [args.name]:
