@@ -11,11 +11,11 @@ import torch
 from refit_core.sources import StateDictSource
 
 MODEL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 1,  # head_dim 64: vLLM's CPU attention refuses 16
-    "num_key_value_heads": 1,
+    "num_attention_heads": 2,  # head_dim 64 (vLLM's CPU attention refuses 16), split over 2 ranks
+    "num_key_value_heads": 2,
     "vocab_size": 1000,
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
@@ -49,7 +49,7 @@ class CheckpointPolicy:
         return StateDictSource(self._checkpoints.tensors[self.state], dtype="bfloat16")
 
 
-def _perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     changed = {}
     for name, tensor in tensors.items():
@@ -69,8 +69,8 @@ def make_checkpoints(root: Path) -> Checkpoints:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         checkpoints.tensors[name] = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    checkpoints.tensors["B'"] = _perturb(checkpoints.tensors["B"], seed=3)
-    checkpoints.tensors["B''"] = _perturb(checkpoints.tensors["B'"], seed=4)
+    checkpoints.tensors["B'"] = perturb(checkpoints.tensors["B"], seed=3)
+    checkpoints.tensors["B''"] = perturb(checkpoints.tensors["B'"], seed=4)
     for name, tensors in checkpoints.tensors.items():
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         model.load_state_dict(tensors)

@@ -20,7 +20,10 @@ from typing import Any
 from refit_core import (
     CollectiveSenderSpec,
     Deadline,
+    EngineReport,
+    EngineState,
     GeometryMismatchError,
+    Recovery,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -353,4 +356,20 @@ def _failure(what: str, gathered: Gathered, deadline: Deadline) -> RefitError:
         or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
     )
     error_type = RefitTimeoutError if timed_out else RefitError
-    return error_type(message, is_retryable=True, wedged_workers=wedged)
+    engines = _engine_reports(gathered)
+    closed = any(e.state is EngineState.CLOSED for e in engines)
+    return error_type(
+        message,
+        recovery=Recovery.RECOVER if closed else Recovery.RETRY,
+        wedged_workers=wedged,
+        engines=engines,
+    )
+
+
+def _engine_reports(gathered: Gathered) -> list[EngineReport]:
+    """The engine states the failed calls reported (one per engine: its workers repeat it)."""
+    reports: dict[tuple[int | None, str], EngineReport] = {}
+    for error in gathered.errors.values():
+        for report in getattr(error, "engines", ()):
+            reports.setdefault((report.shard, report.worker), report)
+    return list(reports.values())

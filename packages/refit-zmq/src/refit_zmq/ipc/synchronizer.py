@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from refit_core.deadline import Deadline
-from refit_core.errors import RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core.errors import RefitAbortedError, RefitError, RefitTimeoutError, with_engines
 from refit_core.protocols import PolicyLike
 from refit_core.synchronizer import WeightSynchronizer
 from refit_core.types import RefitResult, TensorSpec, WorkerOutcome
@@ -70,7 +70,9 @@ class RefitSessions(Protocol):
         ...
 
     def refit_finished(self, version: int, committed: bool) -> None:
-        """Close every session; after a commit the engines serve ``version``."""
+        """Close every session; after a commit the engines serve ``version``. After a failure
+        it may raise a :class:`~refit_core.errors.RefitError` whose ``engines`` say what each
+        engine serves now (added to the refit's own error)."""
         ...
 
 
@@ -134,9 +136,12 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         sessions.refit_started(version, deadline.remaining_s())
         try:
             result = self._transfer(version, deadline)
-        except BaseException:
+        except BaseException as exc:
             try:
                 sessions.refit_finished(version, committed=False)
+            except RefitError as closing:
+                if isinstance(exc, RefitError):
+                    with_engines(exc, closing.engines)
             except Exception:
                 logger.warning("ipc: closing the workers' sessions failed", exc_info=True)
             raise
