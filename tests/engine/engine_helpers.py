@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ MODEL = {
     "num_hidden_layers": 2,
     "num_attention_heads": 2,  # head_dim 64 (vLLM's CPU attention refuses 16), split over 2 ranks
     "num_key_value_heads": 2,
-    "vocab_size": 1000,
+    "vocab_size": 4000,  # 1 MB embeddings: a collective refit takes several 1 MiB buckets
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
     "initializer_range": 0.1,
@@ -80,19 +85,102 @@ def make_checkpoints(root: Path) -> Checkpoints:
     return checkpoints
 
 
-def start_engine(path: str, extra: dict[str, Any]) -> Any:
-    """A real vLLM engine on ``path`` (CPU, eager, bf16)."""
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_engine(path: str, extra: dict[str, Any], tp: int = 1) -> Any:
+    """A real vLLM engine on ``path`` (CPU, eager, bf16), ``tp`` tensor-parallel workers (each
+    bound to a core of its own: vLLM's default binding refuses two workers on one NUMA node)."""
     from vllm import LLM
 
-    return LLM(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        seed=0,
-        **extra,
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp))} if tp > 1 else {}
+    with _environment(binding):
+        return LLM(
+            model=path,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=256,
+            seed=0,
+            tensor_parallel_size=tp,
+            **extra,
+        )
+
+
+def reloaded_outputs(llm: Any, path: str) -> Outputs:
+    """Outputs after vLLM's own in-place reload of the checkpoint at ``path`` (its
+    ``reload_weights``, the path vLLM's own loader takes at start-up)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    return generate(llm)
+
+
+@dataclass
+class Engine:
+    """A session's engine and what vLLM itself generates on each checkpoint.
+
+    Attributes:
+        llm: the engine.
+        tp: its tensor-parallel size.
+        expected: state -> outputs: the start state's from the engine fresh, the others after
+            vLLM's own reload from disk (checked to reproduce the fresh outputs exactly).
+    """
+
+    llm: Any
+    tp: int
+    expected: dict[str, Outputs]
+    version: int = 0
+
+    def next_version(self) -> int:
+        """A version above every one this engine's receivers saw."""
+        self.version += 1
+        return self.version
+
+
+def open_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int, start: str) -> Engine:
+    """An engine fresh on ``start``, with vLLM's own outputs on every other checkpoint."""
+    llm = start_engine(checkpoints.paths[start], extra, tp)
+    expected = {start: generate(llm)}
+    for state in ("A", "B''"):
+        if state != start:
+            expected[state] = reloaded_outputs(llm, checkpoints.paths[state])
+    assert reloaded_outputs(llm, checkpoints.paths[start]) == expected[start], (
+        "vLLM's own reload must reproduce a fresh engine exactly"
     )
+    assert len(set(map(str, expected.values()))) == len(expected), "states must differ"
+    return Engine(llm, tp, expected)
+
+
+class Pending:
+    """One ``generate`` call running on a thread (an engine closed by a failed refit must hold
+    it, neither aborted nor answered, until a complete refit reopens it)."""
+
+    def __init__(self, llm: Any) -> None:
+        self._result: list[Outputs] = []
+        self._thread = threading.Thread(target=lambda: self._result.append(generate(llm)))
+        self._thread.start()
+
+    def answered_within(self, wait_s: float) -> bool:
+        """Whether it finished within ``wait_s``."""
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
+
+    def outputs(self, timeout_s: float = 120.0) -> Outputs:
+        started = time.monotonic()
+        self._thread.join(timeout_s)
+        assert self._result, f"no answer within {time.monotonic() - started:.0f} s"
+        return self._result[0]
 
 
 def _prompts() -> list[list[int]]:

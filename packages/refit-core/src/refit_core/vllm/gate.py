@@ -10,16 +10,24 @@ vLLM and resumes (``wake_up(tags=["scheduling"])``). ``AsyncLLM`` has the same p
 ``pause_generation(mode="keep")`` / ``resume_generation()``.
 
 A closed engine stays closed if the controller dies: only a later complete refit reopens it.
+
+vLLM's offline client sends every request and RPC on one ZMQ socket, which is not thread-safe,
+while refit's controller calls run on threads of their own (a participant never blocks its
+caller), possibly beside the application's own ``generate``. :func:`serialize_sends` puts a
+lock around the client's one sending method, so concurrent senders queue instead of
+corrupting the socket (which aborts the process).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from typing import Any
 
 from refit_core.errors import EngineReport, EngineState
 
-__all__ = ["VllmGate"]
+__all__ = ["VllmGate", "serialize_sends"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,7 @@ class VllmGate:
         self._llm = llm
         self.label = label
         self._closed = False
+        serialize_sends(llm)
 
     @property
     def closed(self) -> bool:
@@ -74,3 +83,23 @@ class VllmGate:
         if self.closed:
             self.open()
         return EngineReport(shard, self.label, EngineState.OLD, self.served_version(), reason)
+
+
+def serialize_sends(llm: Any) -> None:
+    """Serialize the sends of ``llm``'s engine-core client (idempotent; a client without the
+    single sending method of vLLM 0.32's ``SyncMPClient`` is left alone)."""
+    client = llm.llm_engine.engine_core
+    send = getattr(client, "_send_input", None)
+    if send is None or getattr(send, "refit_serialized", False):
+        if send is None:
+            logger.warning("%s has no _send_input: its sends are not serialized", type(client))
+        return
+    lock = threading.Lock()
+
+    @functools.wraps(send)
+    def serialized(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return send(*args, **kwargs)
+
+    serialized.refit_serialized = True  # type: ignore[attr-defined]
+    client._send_input = serialized

@@ -195,6 +195,7 @@ class VllmCollectiveGeneration:
             of the checkpoint per worker), or stream it into the model (no extra memory; an
             engine whose transfer fails after its first bucket stays closed until a complete
             refit).
+        buffer_size_bytes: bucket size every worker declares (None: refit-nccl's default).
         control_timeout_s: bound of calls that carry no deadline of their own.
         grace_s: added to a call's own deadline before vLLM gives up waiting for the workers.
     """
@@ -204,16 +205,18 @@ class VllmCollectiveGeneration:
         engines: Sequence[Any],
         *,
         staged: bool = True,
+        buffer_size_bytes: int | None = None,
         control_timeout_s: float = 120.0,
         grace_s: float = 30.0,
     ) -> None:
         self._shards: dict[int, list[Participant]] = {}
+        init: dict[str, Any] = {"staged": staged}
+        if buffer_size_bytes is not None:
+            init["buffer_size_bytes"] = buffer_size_bytes
         for shard, llm in enumerate(engines):
             workers = len(
                 llm.collective_rpc(
-                    "init_weight_transfer_engine",
-                    timeout=control_timeout_s,
-                    args=({"staged": staged},),
+                    "init_weight_transfer_engine", timeout=control_timeout_s, args=(init,)
                 )
             )
             engine = _EngineCalls(
