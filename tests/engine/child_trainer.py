@@ -115,6 +115,10 @@ class IpcTrainer:
             options=IpcOptions(buffer_size_bytes=buffer_size_bytes, device="cpu"),
         )
 
+    def refit_ready(self) -> bool:
+        """Answered once the process has started (imports done)."""
+        return True
+
     def refit_sync(self, version: int) -> int:
         return self._synchronizer.sync_weights(version).version
 
