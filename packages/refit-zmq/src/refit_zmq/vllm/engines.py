@@ -8,10 +8,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core.errors import EngineReport, EngineState
+from refit_core.errors import EngineReport, EngineState, WorkerError
 from refit_core.vllm import VllmGate
 
-__all__ = ["VllmEngine", "start_receivers"]
+__all__ = ["VllmEngine", "call_workers", "start_receivers"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,20 @@ class VllmEngine:
         self._timeout_s = timeout_s
 
     def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """``method(*args)`` on every worker; one result per worker."""
+        """``method(*args)`` on every worker (through ``refit_zmq_call``); one result per
+        worker.
+
+        Raises:
+            WorkerError: naming the workers that failed.
+        """
         bound = self._timeout_s if timeout_s is None else timeout_s
-        replies: list[Any] = self.llm.collective_rpc(method, timeout=bound, args=args)
-        return replies
+        return call_workers(self.llm, self.label, method, args, bound)
 
     def settle(self, reason: str) -> EngineReport:
         """After a failed refit: closed if a worker's model was written, else reopened on the
         weights it holds; unknown if the workers cannot be asked (left closed if it was)."""
         try:
-            partial = any(self.rpc("refit_zmq_partial"))
+            partial = any(self.rpc("partial"))
         except Exception as exc:
             logger.warning("%s: cannot ask its workers after a failure: %s", self.label, exc)
             state = EngineState.CLOSED if self.gate.closed else EngineState.UNKNOWN
@@ -59,7 +63,25 @@ def start_receivers(
     and collect their addresses."""
     started = []
     for shard, llm in enumerate(engines):
-        llm.collective_rpc("init_weight_transfer_engine", timeout=timeout_s, args=(init_info,))
-        addresses = llm.collective_rpc("refit_zmq_address", timeout=timeout_s)
+        label = f"vllm engine {shard}"
+        call_workers(llm, label, "init_weight_transfer_engine", (init_info,), timeout_s)
+        addresses = call_workers(llm, label, "address", (), timeout_s)
         started.append(VllmEngine(llm, shard, addresses, timeout_s))
     return started
+
+
+def call_workers(
+    llm: Any, label: str, method: str, args: tuple[Any, ...], timeout_s: float | None
+) -> list[Any]:
+    """``method(*args)`` on every worker of ``llm`` through ``refit_zmq_call``; one result per
+    worker.
+
+    Raises:
+        WorkerError: naming the workers (ranks) that failed and why.
+    """
+    replies = llm.collective_rpc("refit_zmq_call", timeout=timeout_s, args=(method, *args))
+    failed = {rank: value for rank, (ok, value) in enumerate(replies) if not ok}
+    if failed:
+        reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
+        raise WorkerError(reasons, worker=label, operation=method)
+    return [value for _, value in replies]
