@@ -120,6 +120,8 @@ def plan_targets(
             reasons.setdefault(module_name, f"{param}: {reason}")
     for param, reason in found.irregular.items():
         reasons.setdefault(param.rpartition(".")[0], f"{param}: {reason}")
+    for param in params.keys() - by_param.keys() - found.fills.keys():
+        reasons.setdefault(param.rpartition(".")[0], f"{param}: the loader never wrote it")
     candidates = {
         p: t for p, t in params.items() if p in by_param and p.rpartition(".")[0] not in reasons
     }
@@ -137,11 +139,13 @@ def plan_targets(
             )
             for name in shadowed
         }
+        # a tensor the map never saw written is reloaded through vLLM's own loader, alone
+        groups.update({name: frozenset({name}) for name in specs if name not in found.pieces})
     else:
         groups = _layer_groups(specs)
     for module_name, reason in sorted(reasons.items()):
         logger.info("shadow: %s (%s)", module_name, reason)
-    in_place = {n: found.pieces.get(n, []) for n in specs if n not in groups}
+    in_place = {n: found.pieces[n] for n in specs if n not in groups}
     return TargetPlan(in_place, groups, reasons)
 
 
@@ -192,11 +196,12 @@ class CheckpointTargets:
         params = dict(model.named_parameters(remove_duplicate=False))
         self.plan = plan
         self.shadow = dict(shadow)
-        self._flats = {
-            p.param: int_view(params[p.param].detach()).view(-1)
+        self._params = {
+            p.param: params[p.param].detach().view(-1)
             for pieces in plan.pieces.values()
             for p in pieces
         }
+        self._flats = {name: int_view(flat) for name, flat in self._params.items()}
         self._shadow_flats = {n: int_view(t).view(-1) for n, t in self.shadow.items()}
 
     @property
@@ -285,10 +290,10 @@ class CheckpointTargets:
         pieces = self.plan.pieces.get(name, [])
         if not pieces:
             raise RefitError(f"{name}: the model does not use it")
-        out = torch.empty(pieces[0].shape, dtype=self._flats[pieces[0].param].dtype)
+        out = torch.empty(pieces[0].shape, dtype=self._params[pieces[0].param].dtype)
         covered = torch.zeros(pieces[0].shape, dtype=torch.bool)
         for piece in pieces:
-            piece.source_view(out).copy_(piece.target_view(self._flats[piece.param]).cpu())
+            piece.source_view(out).copy_(piece.target_view(self._params[piece.param]).cpu())
             piece.source_view(covered).fill_(True)
         if not bool(covered.all()):
             raise RefitError(

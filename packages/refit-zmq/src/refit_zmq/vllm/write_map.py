@@ -358,11 +358,20 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._map.pieces.setdefault(name, []).append(piece)
 
 
+def _original_loader(loader: Any) -> Any:
+    """A weight loader without vLLM's layerwise-reload wrappers, which stay on the reload's
+    checkpoint-shape tensors after a reload and skip loading outside one."""
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader
+
+
 def capture_write_map(
     model: Any, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 ) -> WriteMap:
     """Record where ``model.load_weights`` writes each checkpoint tensor of ``specs`` (name ->
-    shape and dtype), without reading or writing any value (see the module docstring).
+    shape and dtype), without reading or writing any value (see the module docstring). Every
+    parameter of the model is left as it was.
 
     Raises:
         RuntimeError: the model's loader cannot run on meta tensors (it reads values).
@@ -381,9 +390,15 @@ def capture_write_map(
             )
         )
     found = WriteMap()
+    wrapped: list[tuple[Any, Any]] = []
     try:
         for layer in model.modules():
             restore_layer_on_meta(layer, get_layerwise_info(layer))
+        for _, param in model.named_parameters(remove_duplicate=False):
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None and _original_loader(loader) is not loader:
+                wrapped.append((param, loader))
+                param.weight_loader = _original_loader(loader)
         params = {
             _storage_key(p): (name, p) for name, p in model.named_parameters(remove_duplicate=False)
         }
@@ -395,6 +410,8 @@ def capture_write_map(
         with _Recorder(params, sources, found):
             model.load_weights(iter(weights.items()))
     finally:
+        for param, loader in wrapped:
+            param.weight_loader = loader
         for layer, parameters, buffers, non_persistent in saved:
             for name in list(layer._parameters) + list(layer._buffers):
                 delattr(layer, name)
