@@ -193,8 +193,8 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
         assert generate(engine.llm) == engine.expected["B'"], "exactly the previous weights"
         assert engine.llm.llm_engine.get_weight_version() == served
     finally:
+        producer.close()  # gone before the synchronizer says goodbye to it
         child.shutdown()
-        producer.close()
     synchronizer.reconcile_communicator()  # the relays' tree was the other synchronizer's
     _refit(engine, synchronizer, policy, "B''")  # the next refit, from a live trainer
     assert generate(engine.llm) == engine.expected["B''"]

@@ -75,6 +75,7 @@ def _case(paths: Mapping[str, str], tp: int) -> dict[str, Any]:
     from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
     from refit_zmq.vllm.delta_receiver import StagedDeltas
     from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
+    from refit_zmq.vllm.write_map import capture_write_map
 
     config, loader, model = _build(paths["A"], tp)
     fresh = {state: _bits(_build(paths[state], tp)[2]) for state in ("A1", "A2")}
@@ -82,7 +83,10 @@ def _case(paths: Mapping[str, str], tp: int) -> dict[str, Any]:
         n: (shape, getattr(torch, dtype))
         for n, (shape, dtype) in checkpoint_specs(paths["A"], "bfloat16").items()
     }
-    plan = plan_targets(model, specs, lambda: loader.get_all_weights(config.model_config, model))
+    found = capture_write_map(model, specs)
+    plan = plan_targets(
+        model, found, specs, lambda: loader.get_all_weights(config.model_config, model)
+    )
     report: dict[str, Any] = {
         "changed_params": sum(not torch.equal(fresh["A1"][n], b) for n, b in fresh["A2"].items()),
         "shadowed": sorted(plan.shadowed),

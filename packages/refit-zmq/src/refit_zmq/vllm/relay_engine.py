@@ -20,6 +20,7 @@ the engine stays closed until a later refit completes the reload).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import CurveConfig, ZmqSparseRefitServer
 from refit_zmq.vllm.delta_receiver import StagedDeltas
 from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
+from refit_zmq.vllm.write_map import WriteMap, capture_write_map
 
 __all__ = ["RelayInitInfo", "RelayUpdateInfo", "VllmRelayReceiver"]
 
@@ -104,11 +106,16 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
         }
         loader = get_model_loader(self.vllm_config.load_config)
 
-        def checkpoint() -> Any:
+        def checkpoint() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in loader.get_all_weights(config, self.model):
                 yield name, tensor.to(specs[name][1]) if name in specs else tensor
 
-        plan = plan_targets(self.model, specs, checkpoint)
+        try:
+            found = capture_write_map(self.model, specs)
+        except Exception as exc:
+            logger.warning("no write map (%s): every tensor goes to the shadow", exc)
+            found = WriteMap()
+        plan = plan_targets(self.model, found, specs, checkpoint)
         shadow = {n: t.clone() for n, t in checkpoint() if n in plan.shadowed}
         targets = CheckpointTargets(self.model, plan, shadow)
         logger.info(

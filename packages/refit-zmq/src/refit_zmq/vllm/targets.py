@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ from refit_core.errors import RefitError
 from refit_zmq.codec import ItemHeader, UndoEntry, UndoLog
 from refit_zmq.codec.dtypes import int_dtype, int_view
 from refit_zmq.codec.scatter import gather, read_range, scatter, write_range
-from refit_zmq.vllm.write_map import Piece, WriteMap, capture_write_map
+from refit_zmq.vllm.write_map import Piece, WriteMap
 
 __all__ = ["CheckpointTargets", "StagedWrite", "plan_targets"]
 
@@ -92,17 +91,14 @@ class TargetPlan:
 
 def plan_targets(
     model: torch.nn.Module,
+    found: WriteMap,
     specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    checkpoint: Any,
+    checkpoint: Callable[[], Iterable[tuple[str, torch.Tensor]]],
 ) -> TargetPlan:
-    """Capture the write map of ``model`` for ``specs`` and verify it against ``checkpoint()``
-    (an iterable of the checkpoint tensors the model was loaded from); modules that cannot be
-    written in place, and every checkpoint tensor they read, go to the shadow."""
-    try:
-        found = capture_write_map(model, specs)
-    except Exception as exc:
-        logger.warning("write map unavailable (%s): every tensor goes to the shadow", exc)
-        found = WriteMap()
+    """Place every checkpoint tensor of ``specs``: in place where ``found`` (``model``'s write
+    map) reaches a plain parameter whose round trip against ``checkpoint()`` (the tensors the
+    model was loaded from) holds; the modules that cannot be written so, and every checkpoint
+    tensor they read, go to the shadow (all of them, without a write map)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     by_param = found.params()
     reasons: dict[str, str] = {}

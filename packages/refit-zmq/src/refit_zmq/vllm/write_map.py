@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from refit_zmq.codec.dtypes import int_view
 
-__all__ = ["Fill", "Piece", "WriteMap", "capture_write_map", "unravel"]
+__all__ = ["Fill", "Piece", "WriteMap", "capture_write_map", "record_writes", "unravel"]
 
 logger = logging.getLogger(__name__)
 
@@ -358,6 +358,21 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._map.pieces.setdefault(name, []).append(piece)
 
 
+def record_writes(
+    params: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    load: Callable[[], object],
+) -> WriteMap:
+    """Run ``load()`` (which loads ``weights`` into ``params``) with every write into a
+    parameter recorded instead of made; what it wrote where."""
+    found = WriteMap()
+    by_storage = {_storage_key(t): (name, t) for name, t in params.items()}
+    sources = {_storage_key(t): (name, t) for name, t in weights.items()}
+    with _Recorder(by_storage, sources, found):
+        load()
+    return found
+
+
 def _original_loader(loader: Any) -> Any:
     """A weight loader without vLLM's layerwise-reload wrappers, which stay on the reload's
     checkpoint-shape tensors after a reload and skip loading outside one."""
@@ -389,7 +404,6 @@ def capture_write_map(
                 set(layer._non_persistent_buffers_set),
             )
         )
-    found = WriteMap()
     wrapped: list[tuple[Any, Any]] = []
     try:
         for layer in model.modules():
@@ -399,16 +413,15 @@ def capture_write_map(
             if loader is not None and _original_loader(loader) is not loader:
                 wrapped.append((param, loader))
                 param.weight_loader = _original_loader(loader)
-        params = {
-            _storage_key(p): (name, p) for name, p in model.named_parameters(remove_duplicate=False)
-        }
         weights = {
             name: torch.empty(shape, dtype=dtype, device="meta")
             for name, (shape, dtype) in specs.items()
         }
-        sources = {_storage_key(t): (name, t) for name, t in weights.items()}
-        with _Recorder(params, sources, found):
-            model.load_weights(iter(weights.items()))
+        found = record_writes(
+            dict(model.named_parameters(remove_duplicate=False)),
+            weights,
+            lambda: model.load_weights(iter(weights.items())),
+        )
     finally:
         for param, loader in wrapped:
             param.weight_loader = loader
