@@ -20,6 +20,7 @@ Only a vLLM worker imports this module (it imports torch and vLLM).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -55,6 +56,8 @@ class CheckpointLoading:
         self.partial = False
         """Whether the model holds weights other than the version it serves (a load began
         and no refit was committed since)."""
+        self.last_load_s: float | None = None
+        """How long the last :meth:`complete` took (the staged load, or the reload's end)."""
         self._host: dict[str, torch.Tensor] = {}
         self._received: list[str] = []
         self._reloading = False
@@ -95,6 +98,7 @@ class CheckpointLoading:
         """The refit is complete: load what was staged (staged) or finish the reload session
         (streamed). The model holds the refit's weights once this returns (still
         :attr:`partial` until :meth:`committed`)."""
+        started = time.perf_counter()
         if self.staged and self._received:
             initialize_layerwise_reload(self._holder.model)
             self._reloading = True
@@ -107,6 +111,7 @@ class CheckpointLoading:
         else:
             self._finish()
         self._received = []
+        self.last_load_s = time.perf_counter() - started
 
     def committed(self) -> None:
         """The loaded refit is the version the engine serves now."""

@@ -101,6 +101,11 @@ class VllmCollectiveReceiver(WeightTransferEngine):  # type: ignore[misc]
         """Whether the model holds weights other than the version it serves."""
         return self.loading.partial
 
+    @property
+    def last_apply_s(self) -> float | None:
+        """How long writing the last refit into the model took."""
+        return self.loading.last_load_s
+
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         """Declare a packing geometry and the staging mode (leaves any current group)."""
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)

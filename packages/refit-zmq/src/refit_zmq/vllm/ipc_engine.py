@@ -98,6 +98,11 @@ class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
         """Whether the model holds weights other than the version it serves."""
         return self.loading.partial
 
+    @property
+    def last_apply_s(self) -> float | None:
+        """How long writing the last refit into the model took."""
+        return self.loading.last_load_s
+
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
         """(Re)bind the control socket and set the staging mode; the version carries over."""
         version = 0 if self.receiver is None else self.receiver.version

@@ -20,6 +20,7 @@ the engine stays closed until a later refit completes the reload).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,8 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
         self.relay: ZmqSparseRefitServer | None = None
         self.address: str | None = None
         self.served_version = 0
+        self.last_apply_s: float | None = None
+        """How long writing the last committed version into the model took."""
         self.loading = CheckpointLoading(self, staged=False)
         self._unloaded: set[str] = set()
 
@@ -135,6 +138,7 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
         docstring for what a failure leaves)."""
         if self.targets is None or self.deltas is None:
             raise RefitError("the relay was never started (init_weight_transfer_engine)")
+        started = time.perf_counter()
         committed, writes = self.deltas.take_committed()
         if committed != update_info.version:
             raise RefitError(
@@ -159,6 +163,7 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
         self._unloaded = set()
         self.loading.committed()
         self.served_version = committed
+        self.last_apply_s = time.perf_counter() - started
         logger.info(
             "version %d served: %d writes, %d tensors reloaded", committed, len(writes), len(items)
         )
