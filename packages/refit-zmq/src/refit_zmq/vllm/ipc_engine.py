@@ -61,6 +61,11 @@ class _WorkerModel:
     def __init__(self, receiver: VllmIpcReceiver) -> None:
         self._receiver = receiver
 
+    @property
+    def stages_refits(self) -> bool:
+        """Whether a refit reaches the model only after its commit."""
+        return self._receiver.loading.staged
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
         self._receiver.loading.take(weights)
         return None
