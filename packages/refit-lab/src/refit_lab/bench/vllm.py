@@ -18,10 +18,17 @@ Per path, one engine (tensor-parallel 1) started on S0, then rounds that alterna
   linear weights) or writes what the kernels never read, which is reported, not timed;
 * a full reload of the state through vLLM's ``reload_weights`` (from memory), outputs checked.
 
+Then the in-place path alone (``refit_lab.bench.vllm_inplace``): on vLLM's own model class
+built without the CPU repacking, as unquantized weights are on a GPU, where vLLM's patches do
+write what the model computes with.
+
 Summary: ``sparse_apply_vs_full_reload`` and ``sparse_apply_vs_vllm_patches`` (where vLLM's
-path took effect) are medians of per-round ratios of refit's time to the reference's;
-``engine_rss_over_model_bytes`` is the sparse engine's worker peak resident memory from the
-receiver's start to the end over the model's bytes; ``failed_refit_served_mixed`` is whether
+path took effect) are medians of per-round ratios of refit's time to the reference's, and
+``in_place_apply_vs_vllm_patches`` / ``in_place_apply_vs_full_load`` the same on the model
+class; ``engine_rss_over_model_bytes`` is the sparse engine worker's peak resident memory
+during refits (less the bench's own copies of S0 and S1) over the model's bytes, and
+``*_refit_memory_over_model_bytes`` what each receiver added to the worker's memory before its
+refits began, at its peak; ``failed_refit_served_mixed`` is whether
 any engine, after a failed refit (a corrupted sparse payload, a collective trainer failing
 mid-transfer with staging, an IPC trainer failing mid-transfer while streaming), generated
 anything but exactly its previous outputs or, closed, anything before the refit reopening it.
@@ -45,6 +52,8 @@ import torch
 from refit_core.sources import StateDictSource
 from refit_core.types import NamedTensor, StateDictInfo
 from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
+from refit_lab.bench.runtime import ChildGroup, Deadline
+from refit_lab.bench.vllm_inplace import measure_in_place
 from refit_lab.trainer import SimulatedTrainer
 
 __all__ = ["run"]
@@ -61,12 +70,15 @@ MODEL: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-LR = 2e-6
-"""AdamW learning rate: about 1 % of the bf16 elements change in the first step."""
+CHANGED = 0.01
+"""Fraction of the bf16 elements one AdamW step changes (the learning rate is calibrated)."""
 PROMPT_TOKENS = 128
 NEW_TOKENS = 8
 DEADLINE_S = 120.0
 FAILURE_DEADLINE_S = 10.0
+FAILURE_BUCKET_BYTES = 16 << 20
+"""Buckets of the failing refits: several, so the trainer fails after the first reached the
+engines."""
 HELD_S = 2.0
 
 Outputs = list[tuple[tuple[int, ...], tuple[float, ...]]]
@@ -112,6 +124,28 @@ class _Failing:
             yield named
 
 
+def _changed(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
+    differ = sum(
+        int((old[n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in new.items()
+    )
+    return differ / sum(t.numel() for t in old.values())
+
+
+def _step(start: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """One AdamW step of ``SimulatedTrainer`` changing about ``CHANGED`` of the bf16
+    elements (the rate found by scaling: the fraction grows about linearly with it)."""
+    lr, state, changed = 1e-6, dict(start), 0.0
+    for _ in range(4):
+        trainer = SimulatedTrainer(start, seed=1, lr=lr)
+        trainer.step()
+        state = trainer.engine_state()
+        changed = _changed(start, state)
+        if abs(changed - CHANGED) < 0.2 * CHANGED:
+            break
+        lr *= CHANGED / max(changed, 1e-6)
+    return state, changed
+
+
 def _checkpoints(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str], float]:
     """S0 (random weights) and S1 (one AdamW step), written as Qwen2 checkpoints."""
     from transformers import (  # type: ignore[import-not-found]  # vLLM brings it
@@ -123,13 +157,8 @@ def _checkpoints(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    trainer = SimulatedTrainer(start, seed=1, lr=LR)
-    trainer.step()
-    states = {"S0": start, "S1": trainer.engine_state()}
-    changed = sum(
-        int((states["S0"][n].view(torch.int16) != t.view(torch.int16)).sum())
-        for n, t in states["S1"].items()
-    ) / sum(t.numel() for t in start.values())
+    stepped, changed = _step(start)
+    states = {"S0": start, "S1": stepped}
     paths = {}
     for name, state in states.items():
         model.load_state_dict(state)
@@ -183,6 +212,13 @@ def _rpc(llm: Any, method: str, *args: Any) -> Any:
     return reply
 
 
+def _refit_peak(llm: Any, refit: Callable[[], object]) -> int:
+    """``refit()``, and the worker's peak resident memory while it ran."""
+    _rpc(llm, "refit_bench_memory", True)
+    refit()
+    return int(_rpc(llm, "refit_bench_memory", False)["VmHWM"])
+
+
 class _Path:
     """One engine and the checks of one path."""
 
@@ -194,6 +230,15 @@ class _Path:
         self.exact = True
         self.version = 0
         self.rows: list[dict[str, object]] = []
+        self.peak = 0
+        """The worker's highest peak resident memory during a refit (bytes)."""
+
+    def refit(self, synchronizer: Any, version: int | None = None) -> Any:
+        """One refit, the worker's peak memory during it recorded."""
+        results: list[Any] = []
+        peak = _refit_peak(self.llm, lambda: results.append(synchronizer.sync_weights(version)))
+        self.peak = max(self.peak, peak)
+        return results[0]
 
     def check(self, state: str, what: str) -> None:
         if _generate(self.llm) != self.expected[state]:
@@ -257,12 +302,12 @@ def _sparse(
         refit_timeout_s=DEADLINE_S,
         transport="zmq_sparse",
     ) as sync:
-        sync.sync_weights()  # the first refit is a dense resync (to S0, what it holds)
+        path.refit(sync)  # the first refit is a dense resync (to S0, what it holds)
         path.check("S0", "the dense resync")
         for index in range(rounds):
             target = "S1" if path.state == "S0" else "S0"
             policy.state = target
-            result = sync.sync_weights()
+            result = path.refit(sync)
             refit_s = float(_rpc(llm, "refit_bench_apply_s"))
             path.state = target
             path.check(target, "refit's sparse refit")
@@ -305,17 +350,19 @@ def _sparse(
 def _dense(
     path: _Path, states: Mapping[str, dict[str, torch.Tensor]], rounds: int, transport: str
 ) -> dict[str, object]:
-    from refit_core import RefitError, create_weight_synchronizer
+    from refit_core import EngineState, RefitError, create_weight_synchronizer
     from refit_lab.ray_cluster import LocalCluster
 
     llm = path.llm
     policy = _Policy(states, "S1")
 
-    def synchronizer(staged: bool, deadline_s: float) -> Any:
+    def synchronizer(staged: bool, deadline_s: float, bucket_bytes: int | None = None) -> Any:
         if transport == "collective":
             from refit_nccl.vllm import VllmCollectiveGeneration
 
-            generation: Any = VllmCollectiveGeneration([llm], staged=staged)
+            generation: Any = VllmCollectiveGeneration(
+                [llm], staged=staged, buffer_size_bytes=bucket_bytes
+            )
             return create_weight_synchronizer(
                 policy,
                 generation,
@@ -328,8 +375,14 @@ def _dense(
         from refit_zmq.vllm import VllmIpcGeneration
 
         generation = VllmIpcGeneration([llm], staged=staged)
+        size_gb = None if bucket_bytes is None else bucket_bytes / (1 << 30)
         return create_weight_synchronizer(
-            policy, generation, "vllm", True, refit_timeout_s=deadline_s
+            policy,
+            generation,
+            "vllm",
+            True,
+            refit_buffer_size_gb=size_gb,
+            refit_timeout_s=deadline_s,
         )
 
     ratios: list[float] = []
@@ -338,7 +391,7 @@ def _dense(
             target = "S1" if path.state == "S0" else "S0"
             policy.state = target
             path.version += 1
-            sync.sync_weights(path.version)
+            path.refit(sync, path.version)
             refit_s = float(_rpc(llm, "refit_bench_apply_s"))
             path.state = target
             path.check(target, f"refit's {transport} refit")
@@ -356,15 +409,15 @@ def _dense(
     other = "S1" if path.state == "S0" else "S0"
     policy.state, policy.fail_after = other, len(states[other]) // 2
     path.version += 1
-    with synchronizer(staged, FAILURE_DEADLINE_S) as sync:
+    with synchronizer(staged, FAILURE_DEADLINE_S, FAILURE_BUCKET_BYTES) as sync:
         try:
             sync.sync_weights(path.version)
-            return {"ratios": ratios, "mixed": True}
-        except RefitError:
-            pass
+            return {"ratios": ratios, "mixed": True, "failed_state": "none"}
+        except RefitError as exc:
+            (state,) = exc.states().values()
     policy.fail_after = None
-    if staged:
-        return {"ratios": ratios, "mixed": _generate(llm) != served}
+    if state is not EngineState.CLOSED:
+        return {"ratios": ratios, "mixed": _generate(llm) != served, "failed_state": state.value}
 
     def reopen() -> None:
         path.version += 1
@@ -373,7 +426,8 @@ def _dense(
 
     held = _held(llm, reopen)
     path.state = other
-    return {"ratios": ratios, "mixed": not held or _generate(llm) != path.expected[other]}
+    mixed = not held or _generate(llm) != path.expected[other]
+    return {"ratios": ratios, "mixed": mixed, "failed_state": state.value}
 
 
 def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
@@ -415,34 +469,42 @@ def _measure(ctx: BenchContext, sizes: Sizes, folder: Path) -> BenchReport:
     exact = True
     memory: dict[str, dict[str, int]] = {}
     for step, (name, extra) in enumerate(engines.items()):
-        ctx.progress(f"{name}: engine on S0", 0.1 + 0.3 * step)
+        ctx.progress(f"{name}: engine on S0", 0.1 + 0.25 * step)
         llm = _engine(paths["S0"], extra)
         try:
             fresh_s0 = _generate(llm)
             expected.setdefault("S0", fresh_s0)
             exact &= fresh_s0 == expected["S0"]
-            _rpc(llm, "refit_bench_load", paths)
-            before = _rpc(llm, "refit_bench_memory", True)
+            bench_bytes = int(_rpc(llm, "refit_bench_load", paths))
+            base = int(_rpc(llm, "refit_bench_memory", False)["VmRSS"])
             path = _Path(name, llm, expected)
-            ctx.progress(f"{name}: {sizes.rounds} rounds", 0.2 + 0.3 * step)
+            ctx.progress(f"{name}: {sizes.rounds} rounds", 0.15 + 0.25 * step)
             if name == "sparse":
                 outcomes[name] = _sparse(path, states, sizes.rounds)
             else:
                 outcomes[name] = _dense(path, states, sizes.rounds, name)
-            memory[name] = {
-                "before": before["VmRSS"],
-                "peak": _rpc(llm, "refit_bench_memory", False)["VmHWM"],
-            }
+            memory[name] = {"base": base - bench_bytes, "refit": path.peak - base}
             exact &= path.exact
             rows.extend(path.rows)
         finally:
             llm.llm_engine.engine_core.shutdown()
+    ctx.progress("in place, on vLLM's model class without the CPU repacking", 0.85)
+    with ChildGroup(
+        measure_in_place,
+        [(paths, sizes.rounds, ctx.threads)],
+        deadline=Deadline(1800.0, "in-place bench"),
+        name="vllm-in-place",
+    ) as child:
+        (in_place,) = child.results()
+    exact &= bool(in_place["exact"])
+    for index, row in enumerate(in_place["rows"]):
+        rows.append({"case": f"in place round {index + 1}", **row})
     for name, used in memory.items():
         rows.append(
             {
                 "case": f"{name} memory",
-                "rss_before_bytes": used["before"],
-                "rss_peak_bytes": used["peak"],
+                "engine_without_refit_bytes": used["base"],
+                "refit_bytes": used["refit"],
                 "model_bytes": model_bytes,
             }
         )
@@ -453,18 +515,23 @@ def _measure(ctx: BenchContext, sizes: Sizes, folder: Path) -> BenchReport:
         "changed_fraction": changed,
         "sparse_apply_vs_full_reload": statistics.median(sparse["ratios_reload"]),  # type: ignore[arg-type]
         "vllm_patches_take_effect": sparse["patch_error"] is None,
-        "engine_rss_over_model_bytes": memory["sparse"]["peak"] / model_bytes,
-        "sparse_rss_growth_over_model_bytes": (
-            memory["sparse"]["peak"] - memory["sparse"]["before"]
-        )
+        "engine_rss_over_model_bytes": (memory["sparse"]["base"] + memory["sparse"]["refit"])
         / model_bytes,
+        "sparse_refit_memory_over_model_bytes": memory["sparse"]["refit"] / model_bytes,
+        "collective_refit_memory_over_model_bytes": memory["collective"]["refit"] / model_bytes,
+        "ipc_refit_memory_over_model_bytes": memory["ipc"]["refit"] / model_bytes,
         "collective_apply_vs_full_reload": statistics.median(outcomes["collective"]["ratios"]),  # type: ignore[arg-type]
         "ipc_apply_vs_full_reload": statistics.median(outcomes["ipc"]["ratios"]),  # type: ignore[arg-type]
+        "in_place_apply_vs_vllm_patches": float(in_place["apply_vs_vllm_patches"]),
+        "in_place_stage_and_apply_vs_vllm_patches": float(
+            in_place["stage_and_apply_vs_vllm_patches"]
+        ),
+        "in_place_apply_vs_full_load": float(in_place["apply_vs_full_load"]),
     }
     if sparse["patch_error"] is None:
         summary["sparse_apply_vs_vllm_patches"] = statistics.median(sparse["ratios_patch"])  # type: ignore[arg-type]
     else:
-        rows.append({"case": "vllm patches", "error": sparse["patch_error"]})
+        rows.append({"case": "vllm patches in the engine", "error": sparse["patch_error"]})
     ctx.progress("vllm done", 1.0)
     return BenchReport(
         bench="vllm", quick=ctx.quick, machine=machine_info(), results=rows, summary=summary
