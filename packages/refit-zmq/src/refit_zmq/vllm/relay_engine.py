@@ -171,6 +171,22 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
     def finish_weight_update(self) -> None:
         """Nothing to finish: every update completes its reload."""
 
+    def placement(self) -> dict[str, Any]:
+        """Where the checkpoint tensors live: ``in_place_bytes`` and ``shadow_bytes`` of this
+        worker, the ``shadowed`` names, and why each reloaded module is (``reasons``).
+
+        Raises:
+            RefitError: the relay was never started (init_weight_transfer_engine).
+        """
+        if self.targets is None:
+            raise RefitError("the relay was never started (init_weight_transfer_engine)")
+        return {
+            "in_place_bytes": self.targets.in_place_bytes,
+            "shadow_bytes": self.targets.shadow_bytes,
+            "shadowed": sorted(self.targets.plan.shadowed),
+            "reasons": dict(self.targets.plan.reasons),
+        }
+
     def checkpoint_digests(self) -> dict[str, int]:
         """Bitwise digest of every checkpoint tensor as the model holds it, read back from the
         runtime parameters or the shadow.

@@ -7,8 +7,8 @@ raising RPC leaves the other workers' replies queued, and the next RPC reads the
 The calls: vLLM's update-session steps (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``), and ``address`` (where
 the worker's receiver listens: receivers bind ephemeral ports), ``partial`` (whether its model
-holds weights other than the version it serves), ``checkpoint_digests`` (the sparse receiver's
-read-back). Start the engine with ``worker_extension_cls=WORKER_EXTENSION``.
+holds weights other than the version it serves), ``placement`` (where the sparse receiver keeps
+each checkpoint tensor) and ``checkpoint_digests`` (its read-back). Start the engine with ``worker_extension_cls=WORKER_EXTENSION``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class ZmqWorkerExtension:
                 return True, _attribute(receiver, "address", str)
             if method == "partial":
                 return True, _attribute(receiver, "partial", bool)
+            if method == "placement":
+                placement = getattr(receiver, "placement", None)
+                if placement is None:
+                    raise RefitError("no refit-zmq sparse receiver in this worker")
+                return True, placement()
             if method == "checkpoint_digests":
                 digests = getattr(receiver, "checkpoint_digests", None)
                 if digests is None:
