@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from refit_core.sources import StateDictSource
+from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
 MODEL = {
     "hidden_size": 128,
@@ -29,9 +30,6 @@ MODEL = {
 CHANGED_FRACTION = 0.01
 PROMPT_TOKENS = 160  # spans full KV blocks, so the prefix cache holds them
 NEW_TOKENS = 8
-
-Outputs = list[tuple[tuple[int, ...], tuple[float, ...]]]
-"""Per prompt: greedy token ids and each sampled token's logprob."""
 
 
 @dataclass
@@ -148,6 +146,16 @@ class Engine:
         return self.version
 
 
+@contextmanager
+def running_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int) -> Iterator[Engine]:
+    """An engine fresh on B' for a test module, shut down after it."""
+    engine = open_engine(checkpoints, extra, tp, "B'")
+    try:
+        yield engine
+    finally:
+        engine.llm.llm_engine.engine_core.shutdown()
+
+
 def open_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int, start: str) -> Engine:
     """An engine fresh on ``start``, with vLLM's own outputs on every other checkpoint."""
     llm = start_engine(checkpoints.paths[start], extra, tp)
@@ -194,21 +202,7 @@ def _prompts() -> list[list[int]]:
 def generate(llm: Any, *, expect_cached: bool | None = None) -> Outputs:
     """Greedy outputs of the tier's prompts; with ``expect_cached`` also check whether the
     prefix cache served part of them."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
-    results = llm.generate(prompts, params, use_tqdm=False)
+    outputs, cached = greedy_outputs(llm, _prompts(), NEW_TOKENS)
     if expect_cached is not None:
-        cached = [r.num_cached_tokens or 0 for r in results]
         assert (min(cached) > 0) == expect_cached, f"cached prompt tokens: {cached}"
-    outputs: Outputs = []
-    for result in results:
-        completion = result.outputs[0]
-        logprobs = tuple(
-            step[token].logprob
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        )
-        outputs.append((tuple(completion.token_ids), logprobs))
     return outputs

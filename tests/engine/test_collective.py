@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 from child_trainer import ChildParticipant, collective_trainer
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, Pending, generate, open_engine
+from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import EngineState, GeometryMismatchError, RefitError, create_weight_synchronizer
+from refit_core import GeometryMismatchError, RefitError, create_weight_synchronizer
 from refit_core.synchronizer import WeightSynchronizer
 from refit_lab.ray_cluster import LocalCluster
 
@@ -24,18 +25,14 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 BUCKET_BYTES = 1 << 20  # the smallest geometry: a refit of the tier's model takes 4 buckets
 DEADLINE_S = 10.0
-HELD_S = 3.0
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
     from refit_nccl.vllm import engine_args
 
-    opened = open_engine(checkpoints, engine_args(), request.param, "B'")
-    try:
-        yield opened
-    finally:
-        opened.llm.llm_engine.engine_core.shutdown()
+    with running_engine(checkpoints, engine_args(), request.param) as running:
+        yield running
 
 
 def _generation(engine: Engine, *, staged: bool = True) -> Any:
@@ -92,14 +89,10 @@ def _failing(engine: Engine, checkpoints: Checkpoints, fault: str, *, staged: bo
 def test_every_worker_receives_and_refits_equal_vllms_own_load(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:
-    llm = engine.llm
     assert len(_generation(engine).collective_shards()[0]) == engine.tp
-    generate(llm, expect_cached=True)  # B' prefixes are cached now
-    _refit(engine, checkpoints, "A")
-    assert generate(llm, expect_cached=False) == engine.expected["A"], "the commit reset the cache"
-    version = _refit(engine, checkpoints, "B'", staged=False)
-    assert generate(llm, expect_cached=False) == engine.expected["B'"]
-    assert llm.llm_engine.get_weight_version() == str(version)
+    refits_away_and_back(
+        engine, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
+    )
 
 
 def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
@@ -123,13 +116,12 @@ def test_staged_refit_whose_trainer_fails_mid_transfer_leaves_the_previous_weigh
 ) -> None:
     served = engine.llm.llm_engine.get_weight_version()
     error = _failing(engine, checkpoints, fault, staged=True)
-    assert error.states() == {"vllm engine 0": EngineState.OLD}, error
-    assert "as before" in str(error)
-    assert generate(engine.llm) == engine.expected["B'"], "exactly the previous weights, serving"
-    assert engine.llm.llm_engine.get_weight_version() == served
-    _refit(engine, checkpoints, "A")
-    assert generate(engine.llm) == engine.expected["A"]
-    _refit(engine, checkpoints, "B'")
+    previous_weights_after(
+        engine,
+        error,
+        served,
+        lambda state, staged: _refit(engine, checkpoints, state, staged=staged),
+    )
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
@@ -137,12 +129,6 @@ def test_streamed_refit_whose_trainer_fails_mid_transfer_closes_the_engine_until
     engine: Engine, checkpoints: Checkpoints, fault: str
 ) -> None:
     error = _failing(engine, checkpoints, fault, staged=False)
-    assert error.states() == {"vllm engine 0": EngineState.CLOSED}, error
-    assert "closed: it holds every request until a complete refit" in str(error)
-    assert not error.is_retryable
-    held = Pending(engine.llm)
-    assert not held.answered_within(HELD_S), "a closed engine generates nothing"
-    _refit(engine, checkpoints, "B''", staged=False)
-    assert held.outputs() == engine.expected["B''"], "the held request ran on the new weights"
-    assert generate(engine.llm) == engine.expected["B''"]
-    _refit(engine, checkpoints, "B'")
+    closed_until_a_refit(
+        engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
+    )

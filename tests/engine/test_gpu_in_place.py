@@ -6,14 +6,13 @@ exactly what vLLM itself serves on each checkpoint (a fresh engine, and vLLM's o
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, open_engine
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
 from refit_core import RefitError, create_weight_synchronizer
 from refit_lab.ray_cluster import LocalCluster
-from refit_lab.zmq_faults import CorruptingRelayProxy
+from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
 
 pytestmark = [pytest.mark.engine, pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -22,11 +21,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.gpu, pytest.mark.timeout(900)]
 def engine(checkpoints: Checkpoints) -> Iterator[Engine]:
     from refit_zmq.vllm import engine_args
 
-    opened = open_engine(checkpoints, engine_args(), 1, "B'")
-    try:
-        yield opened
-    finally:
-        opened.llm.llm_engine.engine_core.shutdown()
+    with running_engine(checkpoints, engine_args(), 1) as running:
+        yield running
 
 
 def test_every_tensor_is_written_in_place_and_refits_equal_vllms_own_load(
@@ -40,18 +36,10 @@ def test_every_tensor_is_written_in_place_and_refits_equal_vllms_own_load(
     assert placement["shadow_bytes"] == 0 and placement["shadowed"] == [], placement["reasons"]
     proxy = CorruptingRelayProxy(generation.relay_addresses()[0])
 
-    class _Routed:
-        def relay_addresses(self) -> list[str]:
-            return [proxy.address]
-
-        def refit_committed(self, version: int) -> None:
-            generation.refit_committed(version)
-
     policy = CheckpointPolicy(checkpoints, "B'")
-    routed: Any = _Routed()
     with create_weight_synchronizer(
         policy,
-        routed,
+        ProxiedRelays(generation, proxy),
         "vllm",
         False,
         train_cluster=LocalCluster(1),

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 from child_trainer import ChildParticipant, sparse_producer
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, open_engine
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
 from refit_core import RefitError, create_weight_synchronizer
 from refit_core.synchronizer import WeightSynchronizer
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
-from refit_lab.zmq_faults import CorruptingRelayProxy
+from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -46,29 +46,12 @@ class _CorruptNth(CorruptingRelayProxy):
         return super()._maybe_corrupt(frames)
 
 
-class _Routed:
-    """The generation, with its first relay reached through a proxy."""
-
-    def __init__(self, generation: Any, proxy: CorruptingRelayProxy) -> None:
-        self._generation = generation
-        self._proxy = proxy
-
-    def relay_addresses(self) -> list[str]:
-        return [self._proxy.address, *self._generation.relay_addresses()[1:]]
-
-    def refit_committed(self, version: int) -> None:
-        self._generation.refit_committed(version)
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
     from refit_zmq.vllm import engine_args
 
-    opened = open_engine(checkpoints, engine_args(), request.param, "B'")
-    try:
-        yield opened
-    finally:
-        opened.llm.llm_engine.engine_core.shutdown()
+    with running_engine(checkpoints, engine_args(), request.param) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +81,7 @@ def synchronizer(
 ) -> Iterator[WeightSynchronizer]:
     with create_weight_synchronizer(
         policy,
-        _Routed(generation, proxy),
+        ProxiedRelays(generation, proxy),
         "vllm",
         False,
         train_cluster=LocalCluster(1),

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import zmq
 
-__all__ = ["CorruptingRelayProxy"]
+__all__ = ["CorruptingRelayProxy", "ProxiedRelays"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +97,23 @@ class CorruptingRelayProxy:
         self._stopping.set()
         self._thread.join(timeout=5.0)
         self._context.term()
+
+
+class ProxiedRelays:
+    """A relay generation whose first relay is reached through ``proxy`` (the synchronizer
+    sees the proxy's address in its place); everything else is the generation's.
+
+    Args:
+        generation: lists ``relay_addresses()`` and, optionally, takes ``refit_committed``.
+        proxy: a proxy in front of ``generation``'s first relay.
+    """
+
+    def __init__(self, generation: Any, proxy: CorruptingRelayProxy) -> None:
+        self._generation = generation
+        self._proxy = proxy
+
+    def relay_addresses(self) -> list[str]:
+        return [self._proxy.address, *self._generation.relay_addresses()[1:]]
+
+    def refit_committed(self, version: int) -> None:
+        self._generation.refit_committed(version)

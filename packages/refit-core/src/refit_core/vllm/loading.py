@@ -30,7 +30,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-__all__ = ["CheckpointLoading", "ModelHolder"]
+__all__ = ["CheckpointLoading", "LoadingReceiver", "ModelHolder"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +127,20 @@ class CheckpointLoading:
         if self._reloading:
             self._reloading = False
             finalize_layerwise_reload(self._holder.model, self._holder.model_config)
+
+
+class LoadingReceiver:
+    """Mixed into a weight-transfer engine that loads through ``self.loading``: what it
+    reports about the model."""
+
+    loading: CheckpointLoading
+
+    @property
+    def partial(self) -> bool:
+        """Whether the model holds weights other than the version it serves."""
+        return self.loading.partial
+
+    @property
+    def last_apply_s(self) -> float | None:
+        """How long writing the last refit into the model took."""
+        return self.loading.last_load_s

@@ -55,6 +55,7 @@ from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableE
 from refit_lab.bench.runtime import ChildGroup, Deadline
 from refit_lab.bench.vllm_inplace import measure_in_place
 from refit_lab.trainer import SimulatedTrainer
+from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
 __all__ = ["run"]
 
@@ -80,8 +81,6 @@ FAILURE_BUCKET_BYTES = 16 << 20
 """Buckets of the failing refits: several, so the trainer fails after the first reached the
 engines."""
 HELD_S = 2.0
-
-Outputs = list[tuple[tuple[int, ...], tuple[float, ...]]]
 
 
 @dataclass(frozen=True)
@@ -183,28 +182,12 @@ def _engine(path: str, extra: dict[str, Any]) -> Any:
 
 
 def _generate(llm: Any) -> Outputs:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     generator = torch.Generator().manual_seed(7)
     prompts = [
-        TokensPrompt(
-            prompt_token_ids=torch.randint(
-                1, MODEL["vocab_size"], (PROMPT_TOKENS,), generator=generator
-            ).tolist()
-        )
+        torch.randint(1, MODEL["vocab_size"], (PROMPT_TOKENS,), generator=generator).tolist()
         for _ in range(3)
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False)
-    outputs: Outputs = []
-    for result in llm.generate(prompts, params, use_tqdm=False):
-        completion = result.outputs[0]
-        logprobs = tuple(
-            step[token].logprob
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        )
-        outputs.append((tuple(completion.token_ids), logprobs))
-    return outputs
+    return greedy_outputs(llm, prompts, NEW_TOKENS)[0]
 
 
 def _rpc(llm: Any, method: str, *args: Any) -> Any:
@@ -273,7 +256,7 @@ def _sparse(
 ) -> dict[str, object]:
     from refit_core import RefitError, create_weight_synchronizer
     from refit_lab.ray_cluster import LocalCluster
-    from refit_lab.zmq_faults import CorruptingRelayProxy
+    from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
     from refit_zmq.vllm import VllmRelayGeneration
 
     llm = path.llm
@@ -281,20 +264,13 @@ def _sparse(
     generation = VllmRelayGeneration([llm])
     proxy = CorruptingRelayProxy(generation.relay_addresses()[0])
 
-    class _Routed:
-        def relay_addresses(self) -> list[str]:
-            return [proxy.address]
-
-        def refit_committed(self, version: int) -> None:
-            generation.refit_committed(version)
-
     ratios_patch: list[float] = []
     ratios_reload: list[float] = []
     patch_error: str | None = None
     mixed = False
     with create_weight_synchronizer(
         policy,
-        _Routed(),
+        ProxiedRelays(generation, proxy),
         "vllm",
         False,
         train_cluster=LocalCluster(1),

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from refit_core import CollectiveSenderSpec, RefitError
 from refit_core.checkpoint import checkpoint_specs
 from refit_core.types import dtype_name
-from refit_core.vllm.loading import CheckpointLoading
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import EngineEndpoint
 from refit_nccl.geometry import DEFAULT_GEOMETRY
@@ -82,7 +82,7 @@ class _WorkerModel:
         return checkpoint_specs(config.model, dtype_name(config.dtype))
 
 
-class VllmCollectiveReceiver(WeightTransferEngine):  # type: ignore[misc]
+class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ignore[misc]
     """refit-nccl's receiver in one vLLM worker (built by vLLM, reached through
     :class:`~refit_nccl.vllm.worker.CollectiveWorkerExtension`)."""
 
@@ -95,16 +95,6 @@ class VllmCollectiveReceiver(WeightTransferEngine):  # type: ignore[misc]
         self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), DEFAULT_GEOMETRY)
         self.loading = CheckpointLoading(self, staged=True)
         self.last_stats: TransferStats | None = None
-
-    @property
-    def partial(self) -> bool:
-        """Whether the model holds weights other than the version it serves."""
-        return self.loading.partial
-
-    @property
-    def last_apply_s(self) -> float | None:
-        """How long writing the last refit into the model took."""
-        return self.loading.last_load_s
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         """Declare a packing geometry and the staging mode (leaves any current group)."""

@@ -17,7 +17,13 @@ from refit_zmq.relay.errors import (
 )
 from refit_zmq.relay.frames import PROTOCOL
 from refit_zmq.relay.producer import ShardProducer, StreamOrder, TransferOptions
-from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
+from refit_zmq.relay.receiver import (
+    PayloadSink,
+    Receiver,
+    StreamingReceiver,
+    TensorReceiver,
+    admit_target,
+)
 from refit_zmq.relay.server import ZmqSparseRefitServer
 from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
 from refit_zmq.relay.transfer import TransferResult, run_transfer
@@ -45,6 +51,7 @@ __all__ = [
     "TreeMismatchError",
     "ZmqSparseRefitClient",
     "ZmqSparseRefitServer",
+    "admit_target",
     "deliver_payloads",
     "new_transfer_id",
     "run_transfer",

@@ -23,7 +23,7 @@ from refit_core.errors import ProtocolError
 from refit_core.types import WeightVersion
 from refit_zmq.codec import DecodedItem, check_item, decode_locations, decode_payload, unpack_buffer
 from refit_zmq.codec.dtypes import unsigned_numpy_dtype
-from refit_zmq.relay import StaleTransferError, TransferConflictError
+from refit_zmq.relay import StaleTransferError, admit_target
 from refit_zmq.vllm.targets import CheckpointTargets, StagedWrite
 
 __all__ = ["StagedDeltas"]
@@ -88,7 +88,13 @@ class StagedDeltas:
         with self._lock:
             for item in decoded.items:
                 check_item(item.header, self._specs, self._version)
-            target = self._target({i.header.target for i in decoded.items}, transfer_id)
+            opened = None if self._open is None else (self._open.transfer_id, self._open.target)
+            target = admit_target(
+                (i.header.target for i in decoded.items),
+                transfer_id,
+                held=self._version,
+                opened=opened,
+            )
             writes = [w for item in decoded.items for w in self._stage(item)]
             held = sum(w.nbytes for w in writes) + (0 if self._open is None else self._open.nbytes)
             if held > self._max_staged_bytes:
@@ -111,26 +117,6 @@ class StagedDeltas:
             indices += header.span_start
         values = unpack_buffer(item.values).view(unsigned_numpy_dtype(header.itemsize))
         return self._targets.stage(header, indices, values)
-
-    def _target(self, targets: set[WeightVersion], transfer_id: str) -> WeightVersion:
-        """The one target of a payload, if it may be staged in ``transfer_id``."""
-        if self._open is not None and self._open.transfer_id != transfer_id:
-            raise TransferConflictError(
-                f"transfer {self._open.transfer_id} is open; {transfer_id} must wait"
-            )
-        if len(targets) != 1:
-            raise ProtocolError(f"payload names {len(targets)} target versions")
-        (target,) = targets
-        if target <= self._version:
-            raise StaleTransferError(
-                f"transfer {transfer_id} targets version {target.value}, "
-                f"receiver holds {self._version.value}"
-            )
-        if self._open is not None and self._open.target != target:
-            raise TransferConflictError(
-                f"transfer {transfer_id} targets {target.value} and {self._open.target.value}"
-            )
-        return target
 
     def commit(self, transfer_id: str) -> dict[str, Any]:
         """Queue the open transfer's writes for the worker (again: a no-op answer)."""

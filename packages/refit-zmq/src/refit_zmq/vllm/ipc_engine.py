@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from refit_core.checkpoint import checkpoint_specs
 from refit_core.errors import RefitError
 from refit_core.types import dtype_name
-from refit_core.vllm.loading import CheckpointLoading
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_zmq.ipc import IpcReceiver
 
 __all__ = ["IpcInitInfo", "IpcUpdateInfo", "VllmIpcReceiver"]
@@ -83,7 +83,7 @@ class _WorkerModel:
         return checkpoint_specs(config.model, dtype_name(config.dtype))
 
 
-class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
+class VllmIpcReceiver(LoadingReceiver, WeightTransferEngine):  # type: ignore[misc]
     """refit-zmq's colocated IPC receiver in one vLLM worker."""
 
     init_info_cls = IpcInitInfo
@@ -97,16 +97,6 @@ class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
         self.loading = CheckpointLoading(self, staged=True)
         self.received: int | None = None
         """The version this session's refit committed (None: none yet)."""
-
-    @property
-    def partial(self) -> bool:
-        """Whether the model holds weights other than the version it serves."""
-        return self.loading.partial
-
-    @property
-    def last_apply_s(self) -> float | None:
-        """How long writing the last refit into the model took."""
-        return self.loading.last_load_s
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
         """(Re)bind the control socket and set the staging mode; the version carries over."""
