@@ -21,19 +21,11 @@ import torch
 
 
 def _build(path: str, tp: int) -> tuple[Any, Any, Any]:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    config = EngineArgs(
-        model=path,
-        dtype="bfloat16",
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        tensor_parallel_size=tp,
-    ).create_engine_config()
+    config = _build_config(path, tp)
     loader = get_model_loader(config.load_config)
     with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
         model = initialize_model(vllm_config=config)

@@ -70,7 +70,8 @@ class TargetPlan:
     Attributes:
         pieces: in-place checkpoint name -> its copies into runtime parameters.
         groups: shadowed checkpoint name -> every shadowed name vLLM must reload with it (the
-            tensors of every module it is loaded into).
+            tensors of every module it is loaded into, and of every module those feed, and
+            so on: a module is processed only once all of its tensors arrived).
         reasons: module -> why it is reloaded from the shadow instead.
     """
 
@@ -128,13 +129,12 @@ def plan_targets(
         for piece in pieces:
             names_of.setdefault(piece.param.rpartition(".")[0], set()).add(name)
     if found.pieces:
-        shadowed = _close_over(set(reasons), names_of, found)
-        groups = {
-            name: frozenset().union(
-                *(names_of[p.param.rpartition(".")[0]] for p in found.pieces[name])
-            )
-            for name in shadowed
-        }
+        groups: dict[str, frozenset[str]] = {}
+        for name in _close_over(set(reasons), names_of, found):
+            if name not in groups:
+                modules = {p.param.rpartition(".")[0] for p in found.pieces[name]}
+                group = frozenset(_close_over(modules, names_of, found))
+                groups.update(dict.fromkeys(group, group))
         # a tensor the map never saw written is reloaded through vLLM's own loader, alone
         groups.update({name: frozenset({name}) for name in specs if name not in found.pieces})
     else:
