@@ -90,9 +90,7 @@ def _bits(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _record(model: _Rank1Of2, state: dict[str, torch.Tensor]) -> WriteMap:
-    return record_writes(
-        dict(model.named_parameters()), state, lambda: model.load_weights(state.items())
-    )
+    return record_writes(dict(model.named_parameters()), state, model.load_weights)
 
 
 def test_the_write_map_records_boxes_fills_and_writes_it_cannot_replay() -> None:
@@ -212,3 +210,35 @@ def test_the_receiver_refuses_what_does_not_follow_and_keeps_one_transfer_open()
     deltas.restore_version(3)  # the engine could not take 4: it stayed on 3
     with pytest.raises(StaleBaseError):
         deltas.apply(next_payload, {"transfer_id": "c"})
+
+
+class _Shared(nn.Module):
+    """``x`` is copied into two modules; ``b`` is also written with a computed value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Holder(w=(4,))
+        self.b = _Holder(w=(4,), v=(4,))
+        self.c = _Holder(w=(4,))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            if name == "x":
+                self.a.w.data.copy_(w)
+                self.b.w.data.copy_(w)
+            elif name == "y":
+                self.b.v.data.copy_(w * 2)
+            else:
+                self.c.w.data.copy_(w)
+
+
+def test_a_shadowed_module_takes_every_tensor_and_module_it_is_reloaded_with() -> None:
+    state = {n: torch.ones(4, dtype=torch.bfloat16) for n in ("x", "y", "z")}
+    model = _Shared()
+    model.load_weights(state.items())
+    found = record_writes(dict(model.named_parameters()), state, model.load_weights)
+    specs = {n: ((4,), torch.bfloat16) for n in state}
+    plan = plan_targets(model, found, specs, lambda: iter(state.items()))
+    assert plan.groups == {"x": {"x", "y"}, "y": {"x", "y"}}, "x reloads b with y, and a"
+    assert plan.reload_set(["y"]) == {"x", "y"}
+    assert set(plan.pieces) == {"z"}

@@ -125,23 +125,25 @@ def plan_targets(
     for param, reason in found.verify(checkpoint(), candidates).items():
         reasons.setdefault(param.rpartition(".")[0], f"{param}: {reason}")
     names_of: dict[str, set[str]] = {}
-    for name, pieces in found.pieces.items():
-        for piece in pieces:
-            names_of.setdefault(piece.param.rpartition(".")[0], set()).add(name)
+    modules_of: dict[str, set[str]] = {}
+    for param, names in found.written_by.items():
+        module_name = param.rpartition(".")[0]
+        names_of.setdefault(module_name, set()).update(names)
+        for name in names:
+            modules_of.setdefault(name, set()).add(module_name)
     if found.pieces:
         groups: dict[str, frozenset[str]] = {}
-        for name in _close_over(set(reasons), names_of, found):
+        for name in _close_over(set(reasons), names_of, modules_of):
             if name not in groups:
-                modules = {p.param.rpartition(".")[0] for p in found.pieces[name]}
-                group = frozenset(_close_over(modules, names_of, found))
+                group = frozenset(_close_over(modules_of[name], names_of, modules_of))
                 groups.update(dict.fromkeys(group, group))
         # a tensor the map never saw written is reloaded through vLLM's own loader, alone
-        groups.update({name: frozenset({name}) for name in specs if name not in found.pieces})
+        groups.update({name: frozenset({name}) for name in specs if name not in modules_of})
     else:
         groups = _layer_groups(specs)
     for module_name, reason in sorted(reasons.items()):
         logger.info("shadow: %s (%s)", module_name, reason)
-    in_place = {n: found.pieces[n] for n in specs if n not in groups}
+    in_place = {n: found.pieces.get(n, []) for n in specs if n not in groups}
     return TargetPlan(in_place, groups, reasons)
 
 
@@ -165,13 +167,16 @@ def _layout_mismatch(live: torch.Tensor | None, shape: tuple[int, ...]) -> str |
     return None
 
 
-def _close_over(modules: set[str], names_of: Mapping[str, set[str]], found: WriteMap) -> set[str]:
+def _close_over(
+    modules: set[str], names_of: Mapping[str, set[str]], modules_of: Mapping[str, set[str]]
+) -> set[str]:
     """Every checkpoint tensor the reloaded ``modules`` read, and every module such a tensor
     feeds, until nothing changes (vLLM reloads a module whole, from all of its tensors)."""
+    modules = set(modules)
     names: set[str] = set()
     while True:
         names = set().union(names, *(names_of.get(m, set()) for m in modules))
-        grown = {p.param.rpartition(".")[0] for n in names for p in found.pieces[n]}
+        grown = set().union(*(modules_of[n] for n in names))
         if grown <= modules:
             return names
         modules |= grown

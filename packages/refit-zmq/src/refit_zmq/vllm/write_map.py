@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,11 +200,14 @@ class WriteMap:
         pieces: checkpoint name -> its copies.
         fills: parameter -> constants written into it.
         irregular: parameter -> why its writes cannot be replayed from checkpoint elements.
+        written_by: parameter -> the checkpoint tensors it was written from (for a write the
+            map cannot replay: the tensor the loader had taken last).
     """
 
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     fills: dict[str, list[Fill]] = field(default_factory=dict)
     irregular: dict[str, str] = field(default_factory=dict)
+    written_by: dict[str, set[str]] = field(default_factory=dict)
 
     def params(self) -> dict[str, list[Piece]]:
         """Parameter -> the pieces written into it."""
@@ -303,6 +306,13 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._params = params
         self._sources = sources
         self._map = found
+        self.current: str | None = None
+        """The checkpoint tensor the loader took last."""
+
+    def _irregular(self, param: str, reason: str) -> None:
+        self._map.irregular.setdefault(param, reason)
+        if self.current is not None:
+            self._map.written_by.setdefault(param, set()).add(self.current)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -327,7 +337,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         shape = tuple(map(int, tensor.shape))
         found = _box_of(view, int(tensor.storage_offset()), shape)
         if found is None:
-            self._map.irregular.setdefault(param, f"{func} writes a view that is not a box")
+            self._irregular(param, f"{func} writes a view that is not a box")
             return
         dst, dst_dims = found
         if func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default):
@@ -344,32 +354,40 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             or source.dtype != view.dtype
             or source.shape != view.shape
         ):
-            self._map.irregular.setdefault(param, f"{func} writes values computed by the loader")
+            self._irregular(param, f"{func} writes values computed by the loader")
             return
         name, checkpoint = origin
         box = _box_of(source, int(checkpoint.storage_offset()), tuple(map(int, checkpoint.shape)))
         if box is None or len(box[1]) != len(dst_dims):
-            self._map.irregular.setdefault(param, f"copies a view of {name} that is not a box")
+            self._irregular(param, f"copies a view of {name} that is not a box")
             return
         src, src_dims = box
         piece = Piece(
             name, tuple(checkpoint.shape), src, tuple(src_dims), param, shape, dst, tuple(dst_dims)
         )
         self._map.pieces.setdefault(name, []).append(piece)
+        self._map.written_by.setdefault(param, set()).add(name)
 
 
 def record_writes(
     params: Mapping[str, torch.Tensor],
     weights: Mapping[str, torch.Tensor],
-    load: Callable[[], object],
+    load: Callable[[Iterator[tuple[str, torch.Tensor]]], object],
 ) -> WriteMap:
-    """Run ``load()`` (which loads ``weights`` into ``params``) with every write into a
-    parameter recorded instead of made; what it wrote where."""
+    """Run ``load(weights' items)`` (which loads them into ``params``) with every write into
+    a parameter recorded instead of made; what it wrote where."""
     found = WriteMap()
     by_storage = {_storage_key(t): (name, t) for name, t in params.items()}
     sources = {_storage_key(t): (name, t) for name, t in weights.items()}
-    with _Recorder(by_storage, sources, found):
-        load()
+    recorder = _Recorder(by_storage, sources, found)
+
+    def taken() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights.items():
+            recorder.current = name
+            yield name, tensor
+
+    with recorder:
+        load(taken())
     return found
 
 
@@ -418,9 +436,7 @@ def capture_write_map(
             for name, (shape, dtype) in specs.items()
         }
         found = record_writes(
-            dict(model.named_parameters(remove_duplicate=False)),
-            weights,
-            lambda: model.load_weights(iter(weights.items())),
+            dict(model.named_parameters(remove_duplicate=False)), weights, model.load_weights
         )
     finally:
         for param, loader in wrapped:
