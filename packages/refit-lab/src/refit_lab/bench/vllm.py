@@ -27,8 +27,11 @@ path took effect) are medians of per-round ratios of refit's time to the referen
 ``in_place_apply_vs_vllm_patches`` / ``in_place_apply_vs_full_load`` the same on the model
 class; ``engine_rss_over_model_bytes`` is the sparse engine worker's peak resident memory
 during refits (less the bench's own copies of S0 and S1) over the model's bytes, and
-``*_refit_memory_over_model_bytes`` what each receiver added to the worker's memory before its
-refits began, at its peak; ``failed_refit_served_mixed`` is whether
+``*_refit_memory_over_model_bytes`` how far a refit (the sparse path's after its first, dense,
+resync: ``sparse_resync_memory_over_model_bytes``) raised the worker's peak above its memory
+before the receiver started, persistent memory (the shadow, staging buffers) included;
+``full_reload_memory_over_model_bytes`` is the same for vLLM's full reload;
+``failed_refit_served_mixed`` is whether
 any engine, after a failed refit (a corrupted sparse payload, a collective trainer failing
 mid-transfer with staging, an IPC trainer failing mid-transfer while streaming), generated
 anything but exactly its previous outputs or, closed, anything before the refit reopening it.
@@ -213,14 +216,16 @@ class _Path:
         self.exact = True
         self.version = 0
         self.rows: list[dict[str, object]] = []
-        self.peak = 0
-        """The worker's highest peak resident memory during a refit (bytes)."""
+        self.peaks: list[int] = []
+        """The worker's peak resident memory during each refit (bytes), in order."""
+        self.reload_peaks: list[int] = []
+        """The same during each of vLLM's full reloads."""
 
     def refit(self, synchronizer: Any, version: int | None = None) -> Any:
         """One refit, the worker's peak memory during it recorded."""
         results: list[Any] = []
         peak = _refit_peak(self.llm, lambda: results.append(synchronizer.sync_weights(version)))
-        self.peak = max(self.peak, peak)
+        self.peaks.append(peak)
         return results[0]
 
     def check(self, state: str, what: str) -> None:
@@ -231,11 +236,15 @@ class _Path:
             self.exact = False
 
     def reload(self, state: str) -> float:
-        seconds = float(_rpc(self.llm, "refit_bench_reload", state))
+        seconds: list[float] = []
+        peak = _refit_peak(
+            self.llm, lambda: seconds.append(float(_rpc(self.llm, "refit_bench_reload", state)))
+        )
+        self.reload_peaks.append(peak)
         self.llm.reset_prefix_cache()
         self.state = state
         self.check(state, "vLLM's full reload")
-        return seconds
+        return seconds[0]
 
 
 def _held(llm: Any, reopen: Callable[[], object]) -> bool:
@@ -459,7 +468,13 @@ def _measure(ctx: BenchContext, sizes: Sizes, folder: Path) -> BenchReport:
                 outcomes[name] = _sparse(path, states, sizes.rounds)
             else:
                 outcomes[name] = _dense(path, states, sizes.rounds, name)
-            memory[name] = {"base": base - bench_bytes, "refit": path.peak - base}
+            sparse_rounds = path.peaks[1:] if name == "sparse" else path.peaks
+            memory[name] = {
+                "base": base - bench_bytes,
+                "first": path.peaks[0] - base,
+                "refit": max(sparse_rounds) - base,
+                "reload": max(path.reload_peaks) - base,
+            }
             exact &= path.exact
             rows.extend(path.rows)
         finally:
@@ -480,7 +495,9 @@ def _measure(ctx: BenchContext, sizes: Sizes, folder: Path) -> BenchReport:
             {
                 "case": f"{name} memory",
                 "engine_without_refit_bytes": used["base"],
+                "first_refit_bytes": used["first"],
                 "refit_bytes": used["refit"],
+                "full_reload_bytes": used["reload"],
                 "model_bytes": model_bytes,
             }
         )
@@ -491,9 +508,13 @@ def _measure(ctx: BenchContext, sizes: Sizes, folder: Path) -> BenchReport:
         "changed_fraction": changed,
         "sparse_apply_vs_full_reload": statistics.median(sparse["ratios_reload"]),  # type: ignore[arg-type]
         "vllm_patches_take_effect": sparse["patch_error"] is None,
-        "engine_rss_over_model_bytes": (memory["sparse"]["base"] + memory["sparse"]["refit"])
+        "engine_rss_over_model_bytes": (
+            memory["sparse"]["base"] + max(memory["sparse"]["refit"], memory["sparse"]["first"])
+        )
         / model_bytes,
         "sparse_refit_memory_over_model_bytes": memory["sparse"]["refit"] / model_bytes,
+        "sparse_resync_memory_over_model_bytes": memory["sparse"]["first"] / model_bytes,
+        "full_reload_memory_over_model_bytes": memory["sparse"]["reload"] / model_bytes,
         "collective_refit_memory_over_model_bytes": memory["collective"]["refit"] / model_bytes,
         "ipc_refit_memory_over_model_bytes": memory["ipc"]["refit"] / model_bytes,
         "collective_apply_vs_full_reload": statistics.median(outcomes["collective"]["ratios"]),  # type: ignore[arg-type]
