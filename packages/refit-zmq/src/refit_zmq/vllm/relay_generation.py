@@ -60,8 +60,8 @@ class VllmRelayGeneration:
         """Make every engine serve ``version``, which its relays committed.
 
         Raises:
-            RefitError: naming the engines that could not, with what each serves now
-                (``engines``); the others serve ``version``.
+            RefitError: naming the engines that could not; ``engines`` says what every engine
+                serves now (the others: ``version``, state ``new``).
         """
         reports: list[EngineReport] = []
         failed = False
