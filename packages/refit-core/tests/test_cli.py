@@ -19,12 +19,15 @@ def test_backends_lists_every_row_with_hint(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     for row in KNOWN_ROWS:
         assert row.transport in out and row.install_hint in out
+    assert "vllm.non-colocated.zmq_sparse: previous version, bit for bit" in out
 
 
 def test_backends_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backends", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert {r["key"] for r in records} == {row.key for row in KNOWN_ROWS}
+    on_failure = {r["key"]: r["on_failure"] for r in records}
+    assert "closed until a complete refit" in on_failure["vllm.non-colocated.collective"]
     for record in records:
         installed = importlib.util.find_spec(record["package"].replace("-", "_")) is not None
         assert record["installed_version"] == (__version__ if installed else None)

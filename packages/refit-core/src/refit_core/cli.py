@@ -42,6 +42,11 @@ def _write_backends(statuses: Sequence[RowStatus], out: TextIO) -> None:
     ]
     for line in align_columns([headers, *rows], rule=True):
         out.write(line + "\n")
+    notes = [s.row for s in statuses if s.row.on_failure]
+    if notes:
+        out.write("\nafter a failed refit an engine serves:\n")
+        for row in notes:
+            out.write(f"  {row.key}: {row.on_failure}\n")
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -59,6 +64,7 @@ def _backends(args: argparse.Namespace) -> int:
                 "implemented": s.implemented,
                 "install_hint": s.row.install_hint,
                 "description": s.row.description,
+                "on_failure": s.row.on_failure or None,
             }
             for s in statuses
         ]

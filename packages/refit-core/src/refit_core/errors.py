@@ -38,6 +38,7 @@ __all__ = [
     "SynchronizerClosedError",
     "VerificationError",
     "WorkerError",
+    "with_engines",
 ]
 
 
@@ -243,3 +244,25 @@ class BackendNotInstalledError(RefitError, ImportError):
     def __init__(self, message: str, *, install_hint: str) -> None:
         super().__init__(f"{message}; install it with: {install_hint}")
         self.install_hint = install_hint
+
+
+def with_engines(error: RefitError, reports: Sequence[EngineReport]) -> RefitError:
+    """``error``, saying what each of ``reports``' engines serves now: added to ``engines``,
+    named in the message, and a closed engine making ``recover()`` (a complete refit) needed
+    where a plain retry was enough."""
+    notes = []
+    for report in reports:
+        if report.state is EngineState.CLOSED:
+            notes.append(
+                f"{report.worker} is closed: it holds every request until a complete refit"
+            )
+        elif report.state is EngineState.OLD:
+            notes.append(f"{report.worker} serves version {report.version} as before")
+        elif report.state is EngineState.UNKNOWN:
+            notes.append(f"{report.worker} did not answer")
+    if notes:
+        error.args = (f"{error}; {'; '.join(notes)}",)
+    error.engines = (*error.engines, *reports)
+    if any(r.state is EngineState.CLOSED for r in reports) and error.recovery is Recovery.RETRY:
+        error.recovery = Recovery.RECOVER
+    return error

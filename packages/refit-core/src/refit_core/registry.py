@@ -66,7 +66,11 @@ SynchronizerBuilder = Callable[[SynchronizerRequest], "WeightSynchronizer"]
 
 @dataclass(frozen=True)
 class BackendRow:
-    """One row of the backend table and the package that implements it."""
+    """One row of the backend table and the package that implements it.
+
+    ``on_failure`` says what an engine serves after a refit of this row failed (every row:
+    exactly its previous version, or nothing until a complete refit; never mixed weights).
+    """
 
     backend: str
     topology: Topology
@@ -74,6 +78,7 @@ class BackendRow:
     package: str
     extra: str
     description: str
+    on_failure: str = ""
 
     @property
     def key(self) -> str:
@@ -90,14 +95,17 @@ KNOWN_ROWS: tuple[BackendRow, ...] = (
     BackendRow(
         "vllm", "colocated", "ipc", "refit-zmq", "vllm",
         "ZMQ control + CUDA IPC handles (shared memory on CPU)",
+        "previous version (staged: default); closed until a complete refit (streamed)",
     ),
     BackendRow(
         "vllm", "non-colocated", "collective", "refit-nccl", "vllm",
         "NCCL collective broadcast of packed buckets",
+        "previous version (staged: default); closed until a complete refit (streamed)",
     ),
     BackendRow(
         "vllm", "non-colocated", "zmq_sparse", "refit-zmq", "vllm",
         "sparse deltas over the transactional ZMQ relay tree",
+        "previous version, bit for bit; closed until a complete refit if loading a committed delta into the model fails",
     ),
     BackendRow(
         "sglang", "colocated", "ray_ipc", "refit-sglang", "sglang",

@@ -10,6 +10,8 @@ coordinator and parent reaches the relay through it.
 - :class:`PartitioningRelayProxy` cuts the relay off from a given DATA message on: every later
   message, both ways, is held (control requests and aborts included) until the partition is
   healed, when the held messages are delivered late, as TCP would retransmit them.
+- :class:`ProxiedRelays` shows a relay generation to a synchronizer with a hop in place of
+  its first relay.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from typing import Any
 
 import zmq
 
-__all__ = ["CorruptingRelayProxy", "PartitioningRelayProxy", "RelayHop"]
+__all__ = ["CorruptingRelayProxy", "PartitioningRelayProxy", "ProxiedRelays", "RelayHop"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,3 +220,23 @@ class PartitioningRelayProxy(RelayHop):
 
     def _to_sender(self, frames: list[bytes]) -> list[bytes] | None:
         return None if self._cut.is_set() else frames
+
+
+class ProxiedRelays:
+    """A relay generation whose first relay is reached through ``proxy`` (the synchronizer
+    sees the proxy's address in its place); everything else is the generation's.
+
+    Args:
+        generation: lists ``relay_addresses()`` and, optionally, takes ``refit_committed``.
+        proxy: a proxy in front of ``generation``'s first relay.
+    """
+
+    def __init__(self, generation: Any, proxy: RelayHop) -> None:
+        self._generation = generation
+        self._proxy = proxy
+
+    def relay_addresses(self) -> list[str]:
+        return [self._proxy.address, *self._generation.relay_addresses()[1:]]
+
+    def refit_committed(self, version: int) -> None:
+        self._generation.refit_committed(version)

@@ -420,7 +420,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             fleet = self._fleet_status(
                 Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
             )
-            engines = [_engine_report(e, target, self.version) for e in fleet.engines]
+            engines = _merged(
+                [_engine_report(e, target, self.version) for e in fleet.engines],
+                _reported_engines(gathered),
+            )
             headline += f"; engines: {_states(engines)}"
         elif culprits:
             engines = [
@@ -428,6 +431,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 for p, e in culprits
                 if p in shard_of
             ]
+            engines = _merged(engines, _reported_engines(gathered))
         wedged = [p.label for p in gathered.missing]
         if isinstance(cause, GeometryMismatchError):
             error: RefitError = GeometryMismatchError(headline, engines=engines)
@@ -523,3 +527,20 @@ def _states(engines: Sequence[EngineReport]) -> str:
     for engine in engines:
         by_state.setdefault(engine.state.value, []).append(engine.worker)
     return ", ".join(f"{state} {who}" for state, who in by_state.items()) or "none"
+
+
+def _reported_engines(gathered: Gathered) -> list[EngineReport]:
+    """The engine states the failed calls reported themselves (a vLLM engine's workers know
+    whether its model was written; one report per engine: its workers repeat it)."""
+    reports: dict[tuple[int | None, str], EngineReport] = {}
+    for error in gathered.errors.values():
+        for report in getattr(error, "engines", ()):
+            reports.setdefault((report.shard, report.worker), report)
+    return list(reports.values())
+
+
+def _merged(fleet: list[EngineReport], reported: list[EngineReport]) -> list[EngineReport]:
+    """Fleet reports, each replaced by what its engine reported itself, if it did."""
+    own = {e.worker: e for e in reported}
+    merged = [own.pop(e.worker, e) for e in fleet]
+    return merged + list(own.values())

@@ -13,6 +13,7 @@ from refit_lab.bench.harness import (
     SIZED_BENCHES,
     BenchContext,
     BenchReport,
+    BenchUnavailableError,
     format_table,
     load_bench,
     write_json,
@@ -97,6 +98,12 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         )
         try:
             report = load_bench(name)(ctx)
+        except BenchUnavailableError as exc:
+            if not run_all:
+                logger.error("bench %s cannot run here: %s", name, exc)
+                return 2
+            logger.warning("bench %s skipped: %s", name, exc)
+            continue
         except Exception:
             logger.exception("bench %s failed", name)
             failed.append(name)

@@ -32,8 +32,14 @@ BENCHES: dict[str, str] = {
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",
     "sglang": "refit_lab.bench.sglang:run",
+    "vllm": "refit_lab.bench.vllm:run",
 }
 """Registry: bench name -> "module:function" of a `BenchFn`, imported on first use."""
+
+
+class BenchUnavailableError(RuntimeError):
+    """A bench that cannot run in this environment (its engine is not installed); `refit bench
+    all` skips it, naming why."""
 
 
 def log_progress(message: str, fraction: float) -> None:

@@ -12,7 +12,13 @@ controller); ``launch`` and ``cli`` start a relay process (``refit relay serve``
 ``python -m refit_zmq.relay``). Every public name is importable from here.
 """
 
-from refit_zmq.relay.apply.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
+from refit_zmq.relay.apply.receiver import (
+    PayloadSink,
+    Receiver,
+    StreamingReceiver,
+    TensorReceiver,
+    admit_target,
+)
 from refit_zmq.relay.coordinator.coordinator import (
     DECISION_GRACE_S,
     RelayCoordinator,
@@ -93,6 +99,7 @@ __all__ = [
     "TreeReply",
     "ZmqSparseRefitClient",
     "ZmqSparseRefitServer",
+    "admit_target",
     "deliver_payloads",
     "new_transfer_id",
     "run_transfer",

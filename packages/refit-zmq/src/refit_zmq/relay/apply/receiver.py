@@ -30,7 +30,14 @@ from refit_zmq.relay.wire.reports import (
     ReceiverStatus,
 )
 
-__all__ = ["PayloadSink", "Receiver", "StreamingReceiver", "TensorReceiver", "as_receiver"]
+__all__ = [
+    "PayloadSink",
+    "Receiver",
+    "StreamingReceiver",
+    "TensorReceiver",
+    "admit_target",
+    "as_receiver",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -238,23 +245,8 @@ class TensorReceiver:
 
     def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
         """The one target of a payload, if this receiver may apply it in ``transfer_id``."""
-        if self._open is not None and self._open.transfer_id != transfer_id:
-            raise TransferConflictError(
-                f"transfer {self._open.transfer_id} is open; {transfer_id} must wait"
-            )
-        if len(targets) != 1:
-            raise ProtocolError(f"payload names {len(targets)} target versions")
-        (target,) = targets
-        if self._version is not None and target <= self._version:
-            raise StaleTransferError(
-                f"transfer {transfer_id} targets version {target.value}, "
-                f"receiver holds {self._version.value}"
-            )
-        if self._open is not None and self._open.target != target:
-            raise TransferConflictError(
-                f"transfer {transfer_id} targets {target.value} and {self._open.target.value}"
-            )
-        return target
+        opened = None if self._open is None else (self._open.transfer_id, self._open.target)
+        return admit_target(targets, transfer_id, held=self._version, opened=opened)
 
     def commit(self, transfer_id: str) -> CommitReply:
         """Commit the open transfer (again: a no-op answer)."""
@@ -333,6 +325,38 @@ class _Declared:
                     f"payload of transfer {transfer_id}: item {item.name!r} goes from "
                     f"{base} to {item.target.value}, its BEGIN from {self.base} to {self.target}"
                 )
+
+
+def admit_target(
+    targets: Iterable[WeightVersion],
+    transfer_id: str,
+    *,
+    held: WeightVersion | None,
+    opened: tuple[str, WeightVersion] | None,
+) -> WeightVersion:
+    """The one target version a payload of ``transfer_id`` names, if a receiver holding
+    ``held`` (None: unknown) with ``opened`` (transfer id and target) open may take it.
+
+    Raises:
+        TransferConflictError: another transfer is open, or this one names another target.
+        ProtocolError: the payload names more or less than one target.
+        StaleTransferError: the target does not follow the held version.
+    """
+    if opened is not None and opened[0] != transfer_id:
+        raise TransferConflictError(f"transfer {opened[0]} is open; {transfer_id} must wait")
+    distinct = set(targets)
+    if len(distinct) != 1:
+        raise ProtocolError(f"payload names {len(distinct)} target versions")
+    (target,) = distinct
+    if held is not None and target <= held:
+        raise StaleTransferError(
+            f"transfer {transfer_id} targets version {target.value}, receiver holds {held.value}"
+        )
+    if opened is not None and opened[1] != target:
+        raise TransferConflictError(
+            f"transfer {transfer_id} targets {target.value} and {opened[1].value}"
+        )
+    return target
 
 
 def _targets(items: Iterable[ItemHeader]) -> frozenset[WeightVersion]:
