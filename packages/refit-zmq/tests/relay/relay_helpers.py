@@ -167,7 +167,7 @@ def serve_relay(conn: multiprocessing.connection.Connection, spec: RelaySpec) ->
 def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        preload = ["torch", "zmq", "refit_zmq.relay", "refit_zmq.relay.cli", "relay_helpers"]
+        preload = ["torch", "zmq", "refit_zmq.relay", "refit_zmq.relay_cli", "relay_helpers"]
         context.set_forkserver_preload(preload)
         return context
     return multiprocessing.get_context("spawn")
@@ -191,7 +191,7 @@ class _Announcer(io.TextIOBase):
 def launch_relay(argv: list[str], conn: multiprocessing.connection.Connection) -> None:
     """Child main: ``python -m refit_zmq.relay`` with ``argv``, its stdout sent to the
     parent (the process was forked from a server with torch loaded: no interpreter start)."""
-    from refit_zmq.relay.cli import main
+    from refit_zmq.relay_cli import main
 
     sys.stdout = _Announcer(conn)
     sys.exit(main(argv))

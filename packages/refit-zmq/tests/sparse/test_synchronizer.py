@@ -11,6 +11,7 @@ from sparse_actors import CONFIG, EngineFleet, RayTrainer
 
 from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
 from refit_core.errors import EngineState, Recovery
+from refit_core.fleet import EngineHealth
 from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
@@ -173,3 +174,42 @@ def test_dead_trainer_rank_is_named_and_engines_keep_their_version(engines: Engi
             assert _bitwise(engines, twin) == [True] * 3, "nothing was half applied"
     finally:
         ranks.close()
+
+
+def test_status_and_recover_after_a_dead_relay_then_a_restarted_controller(
+    engines: EngineFleet,
+) -> None:
+    """status() reports each relay's engine; recover() drops the dead relay and leaves the
+    rest on one version; a new synchronizer over the survivors adopts their version."""
+    engines.reset(seed=700)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 7))
+    with _synchronizer(trainer, engines) as synchronizer:
+        committed = synchronizer.sync_weights().version
+        before = synchronizer.status()
+        assert before.serving() == {committed: (0, 1, 2)} and before.consistent
+        addresses = engines.relay_addresses()
+        ray.get(engines.workers[2].stop_relay.remote(), timeout=60)
+        trainer.step()
+        with pytest.raises(RefitTimeoutError):
+            synchronizer.sync_weights()
+        broken = synchronizer.status()
+        assert broken.shards(EngineHealth.UNREACHABLE) == (2,)
+        assert broken.serving() == {committed: (0, 1)}
+        report = synchronizer.recover()
+        assert report.dropped_shards == (2,)
+        assert report.resync is None, "the survivors already served one version"
+        assert report.after.serving() == {committed: (0, 1)}
+        result = synchronizer.sync_weights()
+        assert {w.worker for w in result.workers} == set(addresses[:2])
+        assert _bitwise(engines, trainer)[:2] == [True, True]
+    survivors = addresses[:2]
+    restarted = ZmqSparseWeightSynchronizer(
+        shard_producers(trainer, OPTIONS.shard_count),
+        lambda: survivors,
+        refit_timeout_s=60.0,
+        options=OPTIONS,
+    )
+    with restarted:
+        trainer.step()
+        assert restarted.sync_weights().version == result.version + 1, "adopted, not version 1"
+        assert _bitwise(engines, trainer)[:2] == [True, True]

@@ -8,8 +8,9 @@ a local receiver (:class:`TensorReceiver`) and forward them down a k-ary tree; a
 The modules are laid out by the process they run in: ``wire`` (what every side shares:
 frames, reports, keys, errors, tuning, links), ``node`` (the relay process), ``apply``
 (receivers, in the relay's process), ``producer`` (a trainer rank) and ``coordinator`` (the
-controller); ``launch`` and ``cli`` start a relay process (``refit relay serve``, or
-``python -m refit_zmq.relay``). Every public name is importable from here.
+controller); ``launch`` starts a relay process (its command line, ``refit relay serve`` or
+``python -m refit_zmq.relay``, is :mod:`refit_zmq.relay_cli`). Every public name is
+importable from here.
 """
 
 from refit_zmq.relay.apply.receiver import (

@@ -1,7 +1,7 @@
-"""``python -m refit_zmq.relay``: see :mod:`refit_zmq.relay.cli`."""
+"""``python -m refit_zmq.relay``: see :mod:`refit_zmq.relay_cli`."""
 
 import sys
 
-from refit_zmq.relay.cli import main
+from refit_zmq.relay_cli import main
 
 sys.exit(main())

@@ -4,7 +4,8 @@
     refit relay serve --safetensors model.safetensors --bind "tcp://10.0.0.5:*"
     refit relay status tcp://127.0.0.1:41234 tcp://127.0.0.1:41235 [--digests]
 
-``python -m refit_zmq.relay`` takes the same arguments.
+``python -m refit_zmq.relay`` takes the same arguments. This module lives outside the relay
+package and imports it only when a command runs, so ``refit --help`` loads nothing heavy.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
-
-from refit_core.errors import RefitError
-from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
-from refit_zmq.relay.launch import RelayProcess, parse_shapes, random_state, read_safetensors
-from refit_zmq.relay.wire.auth import api_key_from_env
-from refit_zmq.relay.wire.curve import CurveConfig
-from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["main", "register"]
 
@@ -41,22 +35,27 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="tcp://127.0.0.1:*", help="where the relay listens")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="the relay's timeout")
     parser.add_argument("--api-key-env", default=None, help="variable holding the API key")
-    parser.add_argument("--fanout", type=int, default=RelayTuning.fanout)
-    parser.add_argument("--chunk-bytes", type=int, default=RelayTuning.chunk_bytes)
-    parser.add_argument("--max-inflight-bytes", type=int, default=RelayTuning.max_inflight_bytes)
+    for option in _TUNING:
+        parser.add_argument(
+            f"--{option.replace('_', '-')}", type=int, help="default: RelayTuning's"
+        )
     parser.set_defaults(handler=_serve)
 
 
+_TUNING = ("fanout", "chunk_bytes", "max_inflight_bytes")
+"""The RelayTuning fields ``serve`` takes from the command line."""
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from refit_zmq.relay.launch import RelayProcess, parse_shapes, random_state, read_safetensors
+    from refit_zmq.relay.wire.tuning import RelayTuning
+
     if args.shapes is not None:
         tensors = random_state(parse_shapes(args.shapes), args.seed)
     else:
         tensors = read_safetensors(args.safetensors)
-    tuning = RelayTuning(
-        fanout=args.fanout,
-        chunk_bytes=args.chunk_bytes,
-        max_inflight_bytes=args.max_inflight_bytes,
-    )
+    given = {name: getattr(args, name) for name in _TUNING if getattr(args, name) is not None}
+    tuning = RelayTuning(**given)
     process = RelayProcess(args.bind, args.version, args.timeout_s, args.api_key_env, tuning)
     return process.serve(tensors, sys.stdout)
 
@@ -70,6 +69,11 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from refit_core.errors import RefitError
+    from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
+    from refit_zmq.relay.wire.auth import api_key_from_env
+    from refit_zmq.relay.wire.curve import CurveConfig
+
     coordinator = RelayCoordinator(
         api_key=api_key_from_env(args.api_key_env),
         timeout_s=args.timeout_s,
