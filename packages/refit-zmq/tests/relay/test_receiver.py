@@ -79,7 +79,7 @@ def test_commit_adopts_the_new_bits_and_version(trainer: Trainer) -> None:
 
 def test_rollback_restores_every_bit(trainer: Trainer) -> None:
     rolled: list[bool] = []
-    receiver, tensors = _receiver(on_rollback=lambda: rolled.append(True))
+    receiver, tensors = _receiver(on_rollback=lambda version: rolled.append(True))
     before = digests(tensors)
     for payload in _payloads(trainer):
         receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
