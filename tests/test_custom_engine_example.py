@@ -13,6 +13,7 @@ import torch
 from refit_core import EngineHealth, EngineState, Recovery, RefitError
 
 pytest.importorskip("ray", reason="ray (dev group) is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 if EXAMPLES not in sys.path:
@@ -44,8 +45,6 @@ def served_while_closed(events: list[tuple[str, int]]) -> list[int]:
     return wrong
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_every_refit_is_bit_exact_on_every_live_engine(outcome: custom_engine.Outcome) -> None:
     versions = [r.version for r in outcome.refits]
     assert versions == [1, 2, 3, 4, 5], "three refits, the resync of recover(), one more"
@@ -60,8 +59,6 @@ def test_every_refit_is_bit_exact_on_every_live_engine(outcome: custom_engine.Ou
     assert any(not torch.equal(first[n], last[n]) for n in first), "training moved the weights"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_the_killed_worker_is_named_and_the_failure_released(
     outcome: custom_engine.Outcome,
 ) -> None:
@@ -81,8 +78,6 @@ def test_the_killed_worker_is_named_and_the_failure_released(
     assert outcome.status.shards(EngineHealth.CLOSED) == (0, 2)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_recover_drops_the_dead_shard_and_the_rest_serve_one_version(
     outcome: custom_engine.Outcome,
 ) -> None:
@@ -93,8 +88,6 @@ def test_recover_drops_the_dead_shard_and_the_rest_serve_one_version(
     assert report.after.shards(EngineHealth.UNREACHABLE) == (1,)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_no_engine_answered_while_closed(outcome: custom_engine.Outcome) -> None:
     assert set(outcome.events) == {0, 2}
     expected = [(hook, v) for v in (1, 2, 3, 4, 5) for hook in ("begin", "commit")]
