@@ -7,7 +7,6 @@ import time
 import pytest
 
 from refit_core import (
-    Deadline,
     Recovery,
     RefitError,
     RefitResult,
@@ -15,6 +14,7 @@ from refit_core import (
     SynchronizerClosedError,
     WeightSynchronizer,
 )
+from refit_core.backend import Deadline
 
 
 class RecordingSynchronizer(WeightSynchronizer):

@@ -1,10 +1,13 @@
 """refit-core: the tiny interface package of refit.
 
-Importing it loads no torch, zmq, ray, numpy or HTTP library; backends are found through the
-``refit.backends`` entry points and imported on first use.
+This module is the user API: the factory, the synchronizer it returns, the errors it raises
+and the value types it takes and gives. Backend authors find the rest of what they may use in
+:mod:`refit_core.backend`. Importing either loads no torch, zmq, ray, numpy or HTTP library;
+backends are found through the ``refit.backends`` entry points and imported on first use.
 """
 
-from refit_core.deadline import Deadline
+from importlib import metadata
+
 from refit_core.errors import (
     AuthenticationError,
     BackendNotInstalledError,
@@ -23,10 +26,8 @@ from refit_core.errors import (
     WorkerError,
 )
 from refit_core.factory import create_weight_synchronizer
-from refit_core.registry import SynchronizerRequest
 from refit_core.synchronizer import WeightSynchronizer
 from refit_core.types import (
-    CollectiveSenderSpec,
     NamedTensor,
     RefitResult,
     ShardInfo,
@@ -36,14 +37,12 @@ from refit_core.types import (
     WorkerOutcome,
 )
 
-__version__ = "0.1.0"
+__version__ = metadata.version("refit-core")
 
 __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
-    "CollectiveSenderSpec",
-    "Deadline",
     "EngineReport",
     "EngineState",
     "GeometryMismatchError",
@@ -58,7 +57,6 @@ __all__ = [
     "StaleBaseError",
     "StateDictInfo",
     "SynchronizerClosedError",
-    "SynchronizerRequest",
     "TensorSpec",
     "VerificationError",
     "WeightSynchronizer",

@@ -1,17 +1,15 @@
-"""Future helpers for participants whose engine calls run on daemon threads.
-
-A participant's ``call`` must never block, so one that drives an engine over HTTP starts each
-call on a thread of its own and answers with a future (refit-dynamo and refit-sglang do).
+"""Future helpers: a participant's call never blocks, so work that waits on an engine runs on a
+daemon thread of its own and is answered with a future.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["dispatch", "done", "failed", "in_thread", "then"]
+__all__ = ["done", "failed", "in_thread", "then"]
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -62,20 +60,3 @@ def then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
 
     source.add_done_callback(relay)
     return target
-
-
-def dispatch(
-    handlers: Mapping[str, Callable[..., Future[Any]]],
-    method: str,
-    args: tuple[Any, ...],
-    what: str,
-) -> Future[Any]:
-    """Start ``handlers[method](*args)``; a failed future when ``what`` has no such method or
-    the handler raises."""
-    handler = handlers.get(method)
-    if handler is None:
-        return failed(NotImplementedError(f"{what} has no {method}"))
-    try:
-        return handler(*args)
-    except Exception as exc:
-        return failed(exc)
