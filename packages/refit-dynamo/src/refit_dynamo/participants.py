@@ -1,78 +1,66 @@
 """A Dynamo fleet as the engine side of refit-nccl's :class:`CollectiveWeightSynchronizer`.
 
-Each engine rank of each worker is one participant, so the synchronizer plans ranks as usual.
-One admin call drives all of a worker's ranks, so the worker's local rank 0 makes the calls
-(:mod:`refit_dynamo.transactions`, each on a thread of its own, so no Ray cluster is needed)
-and its other ranks answer at once.
+Each engine rank of each worker is one participant playing refit-nccl's
+:class:`~refit_nccl.CollectiveEngineRole`, so the synchronizer plans ranks as usual. One admin
+call drives all of a worker's ranks, so the worker's local rank 0 makes the calls
+(:mod:`refit_dynamo.transactions`; every call runs on a thread of its own, so no Ray cluster
+is needed) and its other ranks answer at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Iterator
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
-from refit_nccl import JoinRequest, Participant, TransferPlan, TransferStats
-from refit_nccl.endpoint import StateItems
-from refit_nccl.futures import dispatch, done, in_thread, then
+from refit_nccl import CollectiveEngineRole
+from refit_nccl.backend import JoinRequest, StateItems, TransferPlan, TransferStats
 
-__all__ = ["DynamoRankParticipant", "StateItems", "dynamo_shards"]
+__all__ = ["DynamoRankEndpoint", "DynamoRankParticipant", "dynamo_shards"]
 
 logger = logging.getLogger(__name__)
 
-_THREAD = "refit-dynamo"
 
+class DynamoRankEndpoint(CollectiveEngineRole):
+    """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``, playing the engine
+    role through the worker's admin routes (each call blocks; :class:`DynamoRankParticipant`
+    runs it on a thread).
 
-class DynamoRankParticipant(Participant):
-    """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``.
-
-    Serves the engine calls of refit-nccl's synchronizer (``refit_geometry``, ``refit_plan``,
-    ``refit_join``, ``refit_transfer``, ``refit_commit``, ``refit_abort``) through the
-    worker's admin routes. The commit flushes the worker's cache (pause with ``clear_cache``,
-    then resume). An abort can only be logged: refit cannot abort the communicator inside a
-    Dynamo worker.
+    The commit flushes the worker's cache (pause with ``clear_cache``, then resume). An abort
+    can only be logged: refit cannot abort the communicator inside a Dynamo worker.
     """
 
     def __init__(self, channel: DynamoRefitChannel, index: int, local_rank: int) -> None:
         worker = channel.workers[index]
-        label = worker.instance_id if local_rank == 0 else f"{worker.instance_id}/rank{local_rank}"
-        super().__init__(label)
+        self.label = (
+            worker.instance_id if local_rank == 0 else f"{worker.instance_id}/rank{local_rank}"
+        )
         self._channel = channel
         self._index = index
         self._local_rank = local_rank
         self._plan: TransferPlan | None = None
-        self._in_flight: Future[Any] | None = None
-
-    @property
-    def key(self) -> Hashable:
-        """The worker's endpoint and the rank within it."""
-        return (self._channel.workers[self._index], self._local_rank)
+        self._calls_lock = threading.Lock()
+        self._calls_running = 0
 
     @property
     def drives(self) -> bool:
         """Whether this rank makes the worker's admin calls (local rank 0)."""
         return self._local_rank == 0
 
-    def close(self) -> None:
-        """Nothing to release: the connections belong to the channel."""
+    def refit_geometry(self) -> CollectiveSenderSpec:
+        """The geometry the worker's vLLM receives with."""
+        return self._channel.sender_spec
 
-    def call(self, method: str, *args: Any) -> Future[Any]:
-        """Start ``method(*args)``; never blocks."""
-        handlers: dict[str, Callable[..., Future[Any]]] = {
-            "refit_geometry": lambda: done(self._channel.sender_spec),
-            "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
-            "refit_join": self._join,
-            "refit_transfer": self._transfer,
-            "refit_commit": self._commit,
-            "refit_abort": self._abort,
-        }
-        return dispatch(handlers, method, args, "a Dynamo worker")
+    def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
+        """The digest of the plan for ``state``."""
+        return self._plan_for(state, geometry).digest
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
         if geometry != self._channel.sender_spec:
@@ -82,38 +70,50 @@ class DynamoRankParticipant(Participant):
             )
         return TransferPlan.build(dict(state), geometry)
 
-    def _join(self, request: JoinRequest) -> Future[str]:
+    def refit_join(self, request: JoinRequest) -> str:
+        """Join the group (local rank 0 asks the worker to); the plan digest."""
         plan = self._plan = self._plan_for(request.state, request.geometry)
         if not self.drives:
-            return done(plan.digest)
+            return plan.digest
         self._channel.prepare(dict(request.state))
         group = request.group
         payload = init_payload(group.host, group.port, group.rank, group.world_size)
-        self._in_flight = in_thread(join_worker, self._channel, self._index, payload, name=_THREAD)
-        return then(self._in_flight, lambda _: plan.digest)
+        with self._running():
+            join_worker(self._channel, self._index, payload)
+        return plan.digest
 
-    def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
+    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
+        """Receive one refit (local rank 0 drives the worker's update transaction)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
         started = time.monotonic()
         sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
-        if not self.drives:
-            return done(TransferStats.since(started, *sizes))
-        self._in_flight = in_thread(
-            update_worker, self._channel, self._index, version, name=_THREAD
-        )
-        return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
+        if self.drives:
+            with self._running():
+                update_worker(self._channel, self._index, version)
+        return TransferStats.since(started, *sizes)
 
-    def _commit(self, version: int) -> Future[int]:
-        if not self.drives:
-            return done(version)
-        flushed = in_thread(flush_worker, self._channel, self._index, name=_THREAD)
-        return then(flushed, lambda _: version)
+    def refit_commit(self, version: int) -> int:
+        """Flush the worker's cache (local rank 0); the version."""
+        if self.drives:
+            flush_worker(self._channel, self._index)
+        return version
 
-    def _abort(self, cause: str, *_: object) -> Future[None]:
-        in_flight = self._in_flight
-        if in_flight is not None and not in_flight.done():
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Count a join or update in flight (an abort meanwhile cannot reach the worker)."""
+        with self._calls_lock:
+            self._calls_running += 1
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls_running -= 1
+
+    def refit_abort(self, cause: str, group_name: str | None = None) -> None:
+        """Log that a join or update still running cannot be aborted (nothing else to do)."""
+        if self._calls_running:
             logger.warning(
                 "%s: its join or update is still running and refit cannot abort the "
                 "communicator inside a Dynamo worker (%s); the worker may stay wedged until it "
@@ -121,10 +121,21 @@ class DynamoRankParticipant(Participant):
                 self.label,
                 cause,
             )
-        return done(None)
 
 
-def dynamo_shards(channel: DynamoRefitChannel) -> dict[int, list[Participant]]:
+class DynamoRankParticipant(LocalParticipant[CollectiveEngineRole]):
+    """A :class:`DynamoRankEndpoint` as the controller reaches it (each call on a thread); its
+    key is the worker's endpoint and the rank, so a restarted worker is seen."""
+
+    def __init__(self, channel: DynamoRefitChannel, index: int, local_rank: int) -> None:
+        rank = DynamoRankEndpoint(channel, index, local_rank)
+        super().__init__(rank, rank.label, key=(channel.workers[index], local_rank))
+        self.rank = rank
+
+
+def dynamo_shards(
+    channel: DynamoRefitChannel,
+) -> dict[int, list[Participant[CollectiveEngineRole]]]:
     """Shard index -> participants (one per engine rank) of every worker of ``channel``.
 
     Raises:
