@@ -10,7 +10,7 @@ from typing import Protocol
 import pytest
 
 from refit_core import RefitTimeoutError
-from refit_core.backend import LocalParticipant, gather, method_name, role_methods
+from refit_core.backend import InFlight, LocalParticipant, gather, method_name, role_methods
 
 
 class Role(Protocol):
@@ -102,3 +102,23 @@ def test_calls_name_a_role_method() -> None:
     participant.close()
     with pytest.raises(RuntimeError, match="closed"):
         participant.call(Role.answer, 1)
+
+
+def test_in_flight_counts_overlapping_calls() -> None:
+    in_flight = InFlight()
+    entered, release = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with in_flight:
+            entered.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    assert entered.wait(10)
+    with in_flight:
+        assert in_flight
+    assert in_flight, "the other call is still running"
+    release.set()
+    worker.join(10)
+    assert not in_flight

@@ -12,7 +12,7 @@ from refit_core.checkpoint import checkpoint_specs
 from refit_core.deadline import Deadline
 from refit_core.errors import refit_error_type
 from refit_core.facade import lazy_facade
-from refit_core.futures import done, failed, in_thread, then
+from refit_core.futures import InFlight, done, failed, in_thread, then
 from refit_core.participants import (
     ActorParticipant,
     Gathered,
@@ -49,6 +49,7 @@ __all__ = [
     "Deadline",
     "Gathered",
     "GenerationLike",
+    "InFlight",
     "LocalParticipant",
     "Participant",
     "PolicyLike",

@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["done", "failed", "in_thread", "then"]
+__all__ = ["InFlight", "done", "failed", "in_thread", "then"]
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -60,3 +61,29 @@ def then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
 
     source.add_done_callback(relay)
     return target
+
+
+class InFlight:
+    """Counts calls in flight across threads: ``with in_flight:`` around each call, and
+    ``bool(in_flight)`` says whether one is still running (an abort that cannot reach the
+    engine then says so)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def __bool__(self) -> bool:
+        return self._count > 0

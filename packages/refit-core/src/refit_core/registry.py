@@ -214,8 +214,18 @@ def find_row(backend: str, colocated: bool, transport: str | None) -> InstalledR
     raise _unknown(backend, topology, None)
 
 
-def _resolve(reference: str) -> Any:
-    return metadata.EntryPoint(name="", value=reference, group="").load()
+def _resolve(installed: InstalledRow, reference: str) -> Any:
+    """Import ``"module:attribute"`` of ``installed``'s row.
+
+    Raises:
+        BackendNotInstalledError: it (or something it imports) is missing.
+    """
+    try:
+        return metadata.EntryPoint(name="", value=reference, group="").load()
+    except ImportError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        broken = BrokenRow(installed.row.key, reference, installed.distribution, error)
+        raise _broken(broken) from exc
 
 
 def load_builder(installed: InstalledRow) -> SynchronizerBuilder:
@@ -226,12 +236,7 @@ def load_builder(installed: InstalledRow) -> SynchronizerBuilder:
         TypeError: the row's builder is not callable.
     """
     row = installed.row
-    try:
-        builder = _resolve(row.builder)
-    except ImportError as exc:
-        raise _broken(
-            BrokenRow(row.key, row.builder, installed.distribution, f"{type(exc).__name__}: {exc}")
-        ) from exc
+    builder = _resolve(installed, row.builder)
     if not callable(builder):
         raise TypeError(f"{row.key}: builder {row.builder} is not callable")
     logger.debug("loaded builder %s for %s", row.builder, row.key)
@@ -249,12 +254,7 @@ def load_options_type(installed: InstalledRow) -> type | None:
     row = installed.row
     if row.options is None:
         return None
-    try:
-        kind = _resolve(row.options)
-    except ImportError as exc:
-        raise _broken(
-            BrokenRow(row.key, row.options, installed.distribution, f"{type(exc).__name__}: {exc}")
-        ) from exc
+    kind = _resolve(installed, row.options)
     if not isinstance(kind, type):
         raise TypeError(f"{row.key}: options {row.options} is not a class")
     return kind
