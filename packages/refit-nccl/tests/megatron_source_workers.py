@@ -16,7 +16,8 @@ import torch
 
 from megatron_model import CONFIG, MOE, Natural, megatron_shard, natural_state
 from nccl_workers import SETUP_S, Report, bitwise_differences, connect
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, RefitError
+from refit_core import GeometryMismatchError, RefitError
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl.endpoint import EngineEndpoint, JoinRequest, TrainerEndpoint

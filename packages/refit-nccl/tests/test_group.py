@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_core import Deadline, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core import RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_lab.ray_cluster import free_port
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.rendezvous import convention_of

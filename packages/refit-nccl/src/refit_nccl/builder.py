@@ -4,7 +4,7 @@
 plain ``PolicyLike`` in the controller's process, which then sends as the only trainer rank.
 ``generation`` lists its engine shards as Ray actors serving :class:`EngineEndpoint`'s
 ``refit_*`` methods (:class:`CollectiveGeneration`). ``train_cluster`` provides each group's
-rendezvous address on trainer rank 0's host.
+rendezvous address on trainer rank 0's host (``get_master_address_and_port()``, all it needs).
 """
 
 from __future__ import annotations
@@ -12,10 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from refit_core import SynchronizerRequest
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
-from refit_core.protocols import ClusterLike, PolicyLike
+from refit_core.backend import (
+    ActorParticipant,
+    LocalParticipant,
+    Participant,
+    PolicyLike,
+    RendezvousCluster,
+    SynchronizerRequest,
+)
 from refit_nccl.endpoint import TrainerEndpoint
+from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
 
 __all__ = ["CollectiveGeneration", "CollectivePolicy", "build_collective_synchronizer"]
@@ -42,32 +48,39 @@ class CollectiveGeneration(Protocol):
         ...
 
 
-def _trainers(policy: object) -> list[Participant]:
+def _trainers(policy: object) -> list[Participant[CollectiveTrainerRole]]:
     if isinstance(policy, CollectivePolicy):
         handles = policy.collective_trainers()
-        return [ActorParticipant(h, f"trainer {rank}") for rank, h in enumerate(handles)]
+        return [
+            ActorParticipant[CollectiveTrainerRole](h, f"trainer {rank}")
+            for rank, h in enumerate(handles)
+        ]
     if isinstance(policy, PolicyLike):
-        return [LocalParticipant(TrainerEndpoint(policy), "trainer 0")]
+        return [LocalParticipant[CollectiveTrainerRole](TrainerEndpoint(policy), "trainer 0")]
     raise ValueError(
         "policy must provide collective_trainers() (Ray trainer ranks) or weight_source()"
     )
 
 
-def _engine_participant(worker: Any, label: str) -> Participant:
-    return worker if isinstance(worker, Participant) else ActorParticipant(worker, label)
+def _engine_participant(worker: Any, label: str) -> Participant[CollectiveEngineRole]:
+    if isinstance(worker, Participant):
+        participant: Participant[CollectiveEngineRole] = worker
+        return participant
+    return ActorParticipant[CollectiveEngineRole](worker, label)
 
 
 def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
     """The factory's builder for (vllm, non-colocated, collective).
 
     Raises:
-        ValueError: a policy, generation or train_cluster without the methods it needs.
+        ValueError: a policy, generation or train_cluster without the methods it needs, or
+            options whose bucket size disagrees with ``refit_buffer_size_gb``.
     """
     generation = request.generation
     if not isinstance(generation, CollectiveGeneration):
         raise ValueError("generation must provide collective_shards() (engine worker actors)")
     cluster = request.train_cluster
-    if not isinstance(cluster, ClusterLike):
+    if not isinstance(cluster, RendezvousCluster):
         raise ValueError("train_cluster must provide get_master_address_and_port()")
 
     def shards() -> ShardMap:
@@ -81,5 +94,7 @@ def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWei
         shards,
         cluster.get_master_address_and_port,
         refit_timeout_s=request.refit_timeout_s,
-        options=CollectiveOptions(buffer_size_bytes=request.refit_buffer_size_bytes),
+        options=request.with_buffer_size(
+            request.options_as(CollectiveOptions) or CollectiveOptions(), "buffer_size_bytes"
+        ),
     )

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit_core import (
-    CollectiveSenderSpec,
-    Deadline,
     GeometryMismatchError,
     RefitAbortedError,
     RefitError,
@@ -28,18 +26,19 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.participants import Gathered, Participant, gather
+from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
 from refit_nccl.backends import Backend, default_backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
+from refit_nccl.roles import CollectiveEngineRole, CollectiveMemberRole, CollectiveTrainerRole
 
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 
 logger = logging.getLogger(__name__)
 
-ShardMap = Mapping[int, Sequence[Participant]]
+ShardMap = Mapping[int, Sequence[Participant[CollectiveEngineRole]]]
 """Engine shard index -> its workers, in local-rank order."""
 
 
@@ -82,14 +81,11 @@ class _Group:
 
     name: str
     membership: Membership
-    members: Mapping[int, Participant]
+    members: Mapping[int, Participant[CollectiveMemberRole]]
+    engines: tuple[Participant[CollectiveEngineRole], ...]
     absent: frozenset[int]
     seen: Mapping[int, tuple[Hashable, ...]]
     digest: str
-
-    @property
-    def engines(self) -> list[Participant]:
-        return [self.members[r] for r in range(self.membership.trainers, len(self.members))]
 
 
 class CollectiveWeightSynchronizer(WeightSynchronizer):
@@ -106,7 +102,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     def __init__(
         self,
-        trainers: Sequence[Participant],
+        trainers: Sequence[Participant[CollectiveTrainerRole]],
         shards: Callable[[], ShardMap],
         rendezvous: Callable[[], tuple[str, int]],
         *,
@@ -147,14 +143,18 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         started = time.monotonic()
         left = _left(deadline, f"refit to version {version}")
         gathered = self._gather_collective(
-            {p: p.call("refit_transfer", version, left) for p in group.members.values()}, deadline
+            {
+                p: p.call(CollectiveMemberRole.refit_transfer, version, left)
+                for p in group.members.values()
+            },
+            deadline,
         )
         moved = time.monotonic()
         if not gathered.ok:
             self._invalidate(group, f"refit to version {version} failed")
             raise _failure(f"refit to version {version}", gathered, deadline)
         committed = gather(
-            {p: p.call("refit_commit", version) for p in group.engines},
+            {p: p.call(CollectiveEngineRole.refit_commit, version) for p in group.engines},
             self._control_wait_s(deadline),
         )
         if not committed.ok:
@@ -212,13 +212,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         membership = plan_membership(len(self._trainers), {i: len(ws) for i, ws in shards.items()})
         engines = [w for i in membership.shard_indices for w in shards[i]]
         geometry = self._agree_geometry(engines, deadline)
-        state: StateItems = self._control(self._trainers[0], "refit_state", deadline)
-        members: dict[int, Participant] = dict(enumerate(self._trainers))
-        for index in membership.shard_indices:
-            for local_rank, worker in enumerate(shards[index]):
-                members[membership.shard(index).rank_of(local_rank)] = worker
+        state = self._state(deadline)
+        by_rank: dict[int, Participant[CollectiveEngineRole]] = {
+            membership.shard(index).rank_of(local_rank): worker
+            for index in membership.shard_indices
+            for local_rank, worker in enumerate(shards[index])
+        }
+        members: dict[int, Participant[CollectiveMemberRole]] = dict(enumerate(self._trainers))
+        members.update(by_rank)
         planned = gather(
-            {p: p.call("refit_plan", state, geometry) for p in members.values()},
+            {p: p.call(CollectiveMemberRole.refit_plan, state, geometry) for p in members.values()},
             self._control_wait_s(deadline),
         )
         if not planned.ok:
@@ -234,7 +237,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         )  # fmt: skip
         calls = {
             participant: participant.call(
-                "refit_join",
+                CollectiveMemberRole.refit_join,
                 JoinRequest(
                     GroupSpec(
                         host,
@@ -258,14 +261,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise _failure(f"joining group {name}", gathered, deadline)
         seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
         digest = _require_one_digest(gathered)
-        self._group = _Group(name, membership, members, absent, seen, digest)
+        engines_by_rank = tuple(by_rank[rank] for rank in sorted(by_rank))
+        self._group = _Group(name, membership, members, engines_by_rank, absent, seen, digest)
         self._stale_reason = None
 
     def _agree_geometry(
-        self, engines: Sequence[Participant], deadline: Deadline
+        self, engines: Sequence[Participant[CollectiveEngineRole]], deadline: Deadline
     ) -> CollectiveSenderSpec:
         gathered = gather(
-            {e: e.call("refit_geometry") for e in engines}, self._control_wait_s(deadline)
+            {e: e.call(CollectiveEngineRole.refit_geometry) for e in engines},
+            self._control_wait_s(deadline),
         )
         if not gathered.ok:
             raise _failure("asking the engines for their geometry", gathered, deadline)
@@ -278,16 +283,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         wanted = self._options.buffer_size_bytes
         if wanted is not None and wanted != geometry.buffer_size_bytes:
             raise GeometryMismatchError(
-                f"refit_buffer_size_gb asks for {wanted} B buckets, the engines declared "
+                f"refit_buffer_size_gb (or options.buffer_size_bytes) asks for {wanted} B "
+                "buckets, the engines declared "
                 f"{geometry.buffer_size_bytes} B"
             )
         return geometry
 
-    def _control(self, participant: Participant, method: str, deadline: Deadline) -> Any:
-        gathered = gather({participant: participant.call(method)}, self._control_wait_s(deadline))
+    def _state(self, deadline: Deadline) -> StateItems:
+        """The state trainer rank 0 sends."""
+        sender = self._trainers[0]
+        asked = sender.call(CollectiveTrainerRole.refit_state)
+        gathered = gather({sender: asked}, self._control_wait_s(deadline))
         if not gathered.ok:
-            raise _failure(f"{method} on {participant.label}", gathered, deadline)
-        return gathered.results[participant]
+            raise _failure(f"asking {sender.label} for its state", gathered, deadline)
+        return asked.result()
 
     def _invalidate(self, group: _Group, cause: str) -> None:
         """Mark the communicator stale and abort its group everywhere."""
@@ -295,13 +304,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._abort_members(group.name, group.members.values(), cause)
 
     @staticmethod
-    def _abort_members(name: str, members: Iterable[Participant], cause: str) -> None:
+    def _abort_members(
+        name: str, members: Iterable[Participant[CollectiveMemberRole]], cause: str
+    ) -> None:
         """Ask every member to abort group ``name``; never waits (a frozen one never answers)."""
         for participant in members:
-            participant.call("refit_abort", cause, name)
+            participant.call(CollectiveMemberRole.refit_abort, cause, name)
 
     def _gather_collective(
-        self, calls: Mapping[Participant, Future[Any]], deadline: Deadline
+        self, calls: Mapping[Participant[Any], Future[Any]], deadline: Deadline
     ) -> Gathered:
         """Wait for collective calls: up to deadline + grace, or deadline + settle once one
         has failed."""

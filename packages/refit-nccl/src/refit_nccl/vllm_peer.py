@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
-from refit_core.protocols import PolicyLike
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats, send_packed
 from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec

@@ -23,9 +23,8 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from refit_core import CollectiveSenderSpec, RefitError
-from refit_core.checkpoint import checkpoint_specs
-from refit_core.types import dtype_name
+from refit_core import RefitError
+from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import EngineEndpoint
 from refit_nccl.geometry import DEFAULT_GEOMETRY

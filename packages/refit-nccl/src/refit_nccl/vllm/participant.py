@@ -16,17 +16,21 @@ from concurrent.futures import Future
 from typing import Any
 
 from refit_core import WorkerError
-from refit_core.participants import Participant
+from refit_core.backend import Participant, in_thread, method_name
 from refit_nccl.endpoint import JoinRequest
-from refit_nccl.futures import in_thread
+from refit_nccl.roles import CollectiveEngineRole
 from refit_nccl.vllm.calls import decode_reply, encode_call
 
 __all__ = ["VllmCollectiveGeneration", "VllmEngineParticipant"]
 
 logger = logging.getLogger(__name__)
 
+_COMMIT = method_name(CollectiveEngineRole.refit_commit)
+_TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
+_JOIN = method_name(CollectiveEngineRole.refit_join)
 
-class VllmEngineParticipant(Participant):
+
+class VllmEngineParticipant(Participant[CollectiveEngineRole]):
     """One single-worker vLLM engine (``vllm.LLM``) as a collective participant.
 
     Args:
@@ -50,9 +54,16 @@ class VllmEngineParticipant(Participant):
         """The engine object: a restarted engine is another object."""
         return id(self._llm)
 
-    def call(self, method: str, *args: object) -> Future[Any]:
-        """Run the endpoint call on the engine's worker; never blocks."""
-        return in_thread(self._run, method, args, name=f"refit-{self.label}-{method}")
+    def _start(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Future[Any]:
+        """Run the endpoint call on the engine's worker; never blocks.
+
+        Raises:
+            TypeError: keyword arguments (calls cross vLLM's RPC positionally).
+        """
+        if kwargs:
+            raise TypeError(f"{name}: calls over vLLM's RPC take positional arguments only")
+        thread = f"refit-{self.label}-{name}"
+        return in_thread(self._run, name, args, name=thread)
 
     def close(self) -> None:
         """Nothing to release: the engine belongs to whoever started it."""
@@ -71,7 +82,7 @@ class VllmEngineParticipant(Participant):
                     operation=method,
                 )
             result = decode_reply(replies[0], self.label, method)
-            if method == "refit_commit":
+            if method == _COMMIT:
                 self._llm.reset_prefix_cache()
                 self._llm.llm_engine.set_weight_version(str(result))
                 logger.info("%s: serving version %s", self.label, result)
@@ -79,9 +90,9 @@ class VllmEngineParticipant(Participant):
 
     def _timeout_s(self, method: str, args: tuple[Any, ...]) -> float | None:
         """The RPC's bound: the call's own deadline plus grace, else the control timeout."""
-        if method == "refit_transfer":
+        if method == _TRANSFER:
             left: float | None = args[1]
-        elif method == "refit_join" and isinstance(args[0], JoinRequest):
+        elif method == _JOIN and isinstance(args[0], JoinRequest):
             left = args[0].timeout_s
         else:
             return self._control_timeout_s
@@ -103,6 +114,6 @@ class VllmCollectiveGeneration:
             for i, llm in enumerate(engines)
         ]
 
-    def collective_shards(self) -> Mapping[int, Sequence[Participant]]:
+    def collective_shards(self) -> Mapping[int, Sequence[Participant[CollectiveEngineRole]]]:
         """Shard index -> its one participant (the same objects on every call)."""
         return {i: [p] for i, p in enumerate(self._participants)}

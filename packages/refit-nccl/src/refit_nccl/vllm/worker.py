@@ -12,11 +12,15 @@ import logging
 from typing import Any
 
 from refit_core import RefitError
+from refit_core.backend import method_name
+from refit_nccl.roles import CollectiveEngineRole
 from refit_nccl.vllm.calls import decode_call, encode_reply
 
 __all__ = ["CollectiveWorkerExtension"]
 
 logger = logging.getLogger(__name__)
+
+_TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
 
 
 class CollectiveWorkerExtension:
@@ -37,7 +41,7 @@ class CollectiveWorkerExtension:
                     "weight_transfer_config={'backend': 'refit_nccl'}"
                 )
             method, args = decode_call(request)
-            if method == "refit_transfer":
+            if method == _TRANSFER:
                 return encode_reply(self._refit_nccl_transfer(receiver, *args))
             return encode_reply(getattr(receiver.endpoint, method)(*args))
         except Exception as exc:
