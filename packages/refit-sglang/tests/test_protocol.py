@@ -6,7 +6,9 @@ import pytest
 
 from refit_core import WorkerError
 from refit_lab.reference_engine import ReferenceModelConfig
-from refit_sglang import HttpClient, RequestSchemaError, check_pause_mode, validate_request
+from refit_sglang import HttpClient
+from refit_sglang.lifecycle import check_pause_mode
+from refit_sglang.protocol import RequestSchemaError, validate_request
 from sglang_standin import StandInSGLang, serve
 
 INIT = {

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
-from refit_core import Deadline, RefitResult, WeightSynchronizer, WorkerOutcome
-from refit_core.protocols import PolicyLike
+from refit_core import RefitResult, WeightSynchronizer, WorkerOutcome
+from refit_core.backend import Deadline, PolicyLike
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import (
     LIFECYCLE_ROUTES,

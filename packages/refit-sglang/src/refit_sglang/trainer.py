@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import time
 
-from refit_core import CollectiveSenderSpec, Deadline, ProtocolError
-from refit_nccl import AbortableProcessGroup, TransferStats
-from refit_nccl.peer import PeerTrainer
+from refit_core import ProtocolError
+from refit_core.backend import CollectiveSenderSpec, Deadline
+from refit_nccl.backend import AbortableProcessGroup, PeerTrainer, TransferStats
 from refit_sglang.plan import DistributedPlan, StateItems
 
 __all__ = ["SGLangPeerTrainer"]
