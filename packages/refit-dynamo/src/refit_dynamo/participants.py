@@ -9,14 +9,11 @@ is needed) and its other ranks answer at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Iterator
 
 from refit_core import GeometryMismatchError
-from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant
+from refit_core.backend import CollectiveSenderSpec, InFlight, LocalParticipant, Participant
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
@@ -46,8 +43,7 @@ class DynamoRankEndpoint(CollectiveEngineRole):
         self._index = index
         self._local_rank = local_rank
         self._plan: TransferPlan | None = None
-        self._calls_lock = threading.Lock()
-        self._calls_running = 0
+        self._in_flight = InFlight()
 
     @property
     def drives(self) -> bool:
@@ -78,7 +74,7 @@ class DynamoRankEndpoint(CollectiveEngineRole):
         self._channel.prepare(dict(request.state))
         group = request.group
         payload = init_payload(group.host, group.port, group.rank, group.world_size)
-        with self._running():
+        with self._in_flight:
             join_worker(self._channel, self._index, payload)
         return plan.digest
 
@@ -90,7 +86,7 @@ class DynamoRankEndpoint(CollectiveEngineRole):
         started = time.monotonic()
         sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
         if self.drives:
-            with self._running():
+            with self._in_flight:
                 update_worker(self._channel, self._index, version)
         return TransferStats.since(started, *sizes)
 
@@ -100,20 +96,9 @@ class DynamoRankEndpoint(CollectiveEngineRole):
             flush_worker(self._channel, self._index)
         return version
 
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """Count a join or update in flight (an abort meanwhile cannot reach the worker)."""
-        with self._calls_lock:
-            self._calls_running += 1
-        try:
-            yield
-        finally:
-            with self._calls_lock:
-                self._calls_running -= 1
-
     def refit_abort(self, cause: str, group_name: str | None = None) -> None:
         """Log that a join or update still running cannot be aborted (nothing else to do)."""
-        if self._calls_running:
+        if self._in_flight:
             logger.warning(
                 "%s: its join or update is still running and refit cannot abort the "
                 "communicator inside a Dynamo worker (%s); the worker may stay wedged until it "
