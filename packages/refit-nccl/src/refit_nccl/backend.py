@@ -8,13 +8,13 @@ through their own protocol. Everything else in ``refit_nccl`` is internal.
 from refit_nccl.backends import Backend, default_backend
 from refit_nccl.broadcast import Consumer, TransferStats, receive_packed, send_packed
 from refit_nccl.child import ChildProcessGroup
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, require_vllm_defaults
 from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.membership import Membership, ShardRanks, plan_membership
 from refit_nccl.peer import PeerTrainer
 from refit_nccl.plan import Bucket, Slot, TransferPlan
+from refit_nccl.roles import JoinRequest, StateItems
 from refit_nccl.storage import PlanStorage, StagingBuffers
 from refit_nccl.synchronizer import ShardMap
 from refit_nccl.vllm_peer import VllmPeerTrainer

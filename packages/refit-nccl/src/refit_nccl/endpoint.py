@@ -30,42 +30,20 @@ from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
 from refit_nccl.child import make_group
 from refit_nccl.geometry import DEFAULT_GEOMETRY
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.plan import TransferPlan
-from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole
+from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest, StateItems
 from refit_nccl.storage import StagingBuffers
 
 __all__ = [
     "CollectiveEngine",
     "EngineEndpoint",
     "EngineStatus",
-    "JoinRequest",
-    "StateItems",
     "TrainerEndpoint",
 ]
 
 logger = logging.getLogger(__name__)
-
-StateItems = tuple[tuple[str, TensorSpec], ...]
-"""A state's ``(name, spec)`` pairs in transfer order (picklable, ordered)."""
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    """Everything a participant needs to join one group and plan its transfers.
-
-    Attributes:
-        group: this participant's place in the group.
-        state: the trainer's state, in transfer order.
-        geometry: the packing geometry the engines declared.
-        timeout_s: what is left of the deadline (None: disarmed).
-    """
-
-    group: GroupSpec
-    state: StateItems
-    geometry: CollectiveSenderSpec
-    timeout_s: float | None
 
 
 @runtime_checkable

@@ -17,9 +17,8 @@ from refit_core import RefitAbortedError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.child import make_group
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.roles import CollectiveTrainerRole
+from refit_nccl.roles import CollectiveTrainerRole, JoinRequest, StateItems
 
 __all__ = ["PeerTrainer"]
 

@@ -10,14 +10,43 @@ mistyped call is a type error.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from refit_core import TensorSpec
 
 if TYPE_CHECKING:
     from refit_core.backend import CollectiveSenderSpec
     from refit_nccl.broadcast import TransferStats
-    from refit_nccl.endpoint import JoinRequest, StateItems
+    from refit_nccl.group import GroupSpec
 
-__all__ = ["CollectiveEngineRole", "CollectiveMemberRole", "CollectiveTrainerRole"]
+__all__ = [
+    "CollectiveEngineRole",
+    "CollectiveMemberRole",
+    "CollectiveTrainerRole",
+    "JoinRequest",
+    "StateItems",
+]
+
+StateItems = tuple[tuple[str, TensorSpec], ...]
+"""A state's ``(name, spec)`` pairs in transfer order (picklable, ordered)."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Everything a participant needs to join one group and plan its transfers.
+
+    Attributes:
+        group: this participant's place in the group.
+        state: the trainer's state, in transfer order.
+        geometry: the packing geometry the engines declared.
+        timeout_s: what is left of the deadline (None: disarmed).
+    """
+
+    group: GroupSpec
+    state: StateItems
+    geometry: CollectiveSenderSpec
+    timeout_s: float | None
 
 
 class CollectiveMemberRole(Protocol):

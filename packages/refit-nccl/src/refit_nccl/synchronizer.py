@@ -29,10 +29,15 @@ from refit_core import (
 from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
 from refit_nccl.backends import Backend, default_backend
 from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
-from refit_nccl.roles import CollectiveEngineRole, CollectiveMemberRole, CollectiveTrainerRole
+from refit_nccl.roles import (
+    CollectiveEngineRole,
+    CollectiveMemberRole,
+    CollectiveTrainerRole,
+    JoinRequest,
+    StateItems,
+)
 
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 

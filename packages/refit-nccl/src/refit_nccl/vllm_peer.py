@@ -19,10 +19,10 @@ import logging
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats, send_packed
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.peer import PeerTrainer
 from refit_nccl.plan import TransferPlan
+from refit_nccl.roles import JoinRequest, StateItems
 from refit_nccl.storage import StagingBuffers
 
 __all__ = ["VllmPeerTrainer"]

@@ -17,8 +17,7 @@ from typing import Any
 
 from refit_core import WorkerError
 from refit_core.backend import Participant, in_thread, method_name
-from refit_nccl.endpoint import JoinRequest
-from refit_nccl.roles import CollectiveEngineRole
+from refit_nccl.roles import CollectiveEngineRole, JoinRequest
 from refit_nccl.vllm.calls import decode_reply, encode_call
 
 __all__ = ["VllmCollectiveGeneration", "VllmEngineParticipant"]
