@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.vllm.shadow import ShadowWeights, layer_of
 
 

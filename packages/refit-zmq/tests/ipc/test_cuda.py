@@ -9,8 +9,8 @@ import pytest
 import torch
 from ipc_children import serve_cuda_engine
 
+from refit_core import TensorSpec
 from refit_core.sources import StateDictSource
-from refit_core.types import TensorSpec
 from refit_lab.digest import state_digest
 from refit_lab.faults import ProcessGang
 from refit_zmq.ipc import IpcOptions, IpcWeightSynchronizer

@@ -9,13 +9,13 @@ import pytest
 import torch
 from relay_helpers import MiB, Trainer, digests, make_state
 
-from refit_core.errors import (
+from refit_core import (
     ChecksumMismatchError,
     ProtocolError,
     StaleBaseError,
     VerificationError,
+    WeightVersion,
 )
-from refit_core.types import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     StaleTransferError,

@@ -18,9 +18,8 @@ from relay_helpers import (
     make_state,
 )
 
-from refit_core.errors import RefitError, RefitTimeoutError, StaleBaseError
+from refit_core import NamedTensor, RefitError, RefitTimeoutError, StaleBaseError, StateDictInfo
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, StateDictInfo
 from refit_zmq.relay import (
     RelayCoordinator,
     RelayTree,

@@ -18,11 +18,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from refit_core.deadline import Deadline
-from refit_core.errors import RefitAbortedError, RefitError, RefitTimeoutError
-from refit_core.protocols import PolicyLike
-from refit_core.synchronizer import WeightSynchronizer
-from refit_core.types import RefitResult, TensorSpec, WorkerOutcome
+from refit_core import (
+    RefitAbortedError,
+    RefitError,
+    RefitResult,
+    RefitTimeoutError,
+    TensorSpec,
+    WeightSynchronizer,
+    WorkerOutcome,
+)
+from refit_core.backend import Deadline, PolicyLike
 from refit_zmq.ipc.links import WorkerLinks
 from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
@@ -105,6 +110,11 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         self._links: WorkerLinks | None = None
         self._session = ""
         self._stale = False
+
+    @property
+    def options(self) -> IpcOptions:
+        """The options this synchronizer runs with."""
+        return self._options
 
     # -- hooks ---------------------------------------------------------------------------
 

@@ -16,7 +16,12 @@ from refit_zmq.relay.errors import (
     TreeMismatchError,
 )
 from refit_zmq.relay.frames import PROTOCOL
-from refit_zmq.relay.producer import ShardProducer, StreamOrder, TransferOptions
+from refit_zmq.relay.producer import (
+    ShardProducer,
+    ShardProducerRole,
+    StreamOrder,
+    TransferOptions,
+)
 from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
 from refit_zmq.relay.server import ZmqSparseRefitServer
 from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
@@ -34,6 +39,7 @@ __all__ = [
     "RelayTree",
     "RelayTuning",
     "ShardProducer",
+    "ShardProducerRole",
     "StaleTransferError",
     "StreamOrder",
     "StreamingReceiver",

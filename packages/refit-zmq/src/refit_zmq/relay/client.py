@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import RefitTimeoutError
+from refit_core import RefitTimeoutError
 from refit_zmq.codec.format import BytesLike, DeltaPayload
 from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig

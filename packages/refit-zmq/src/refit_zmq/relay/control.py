@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import AuthenticationError, RefitError, RefitTimeoutError
+from refit_core import AuthenticationError, RefitError, RefitTimeoutError
 from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode, error_for_nack

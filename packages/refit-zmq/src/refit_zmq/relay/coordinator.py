@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit_core.errors import (
+from refit_core import (
     ChecksumMismatchError,
     RefitError,
     RefitTimeoutError,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
+from refit_core import AuthenticationError, ProtocolError, RefitTimeoutError
 from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.errors import RETRYABLE, NackCode
 from refit_zmq.relay.frames import Kind, Message, encode, parse

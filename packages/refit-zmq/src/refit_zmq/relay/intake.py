@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode, TransferConflictError, code_for_error

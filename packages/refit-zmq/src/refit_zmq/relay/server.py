@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import AuthenticationError, ProtocolError, RefitError
+from refit_core import AuthenticationError, ProtocolError, RefitError
 from refit_zmq.relay.auth import Signer
 from refit_zmq.relay.curve import CurveConfig
 from refit_zmq.relay.errors import NackCode, code_for_error

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from refit_core.types import NamedTensor, WeightVersion
+from refit_core import NamedTensor, WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.auth import api_key_from_env
 from refit_zmq.relay.client import ZmqSparseRefitClient

@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from refit_core.errors import RefitError, RefitTimeoutError, WorkerError
-from refit_core.participants import Participant, gather
+from refit_core import RefitError, RefitTimeoutError, WorkerError
+from refit_core.backend import Participant, gather, method_name
 from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
-from refit_zmq.relay.producer import StreamOrder, TransferOptions
+from refit_zmq.relay.producer import ShardProducerRole, StreamOrder, TransferOptions
 
 __all__ = ["TransferResult", "run_transfer"]
 
@@ -45,7 +45,7 @@ class TransferResult:
 
 def run_transfer(
     coordinator: RelayCoordinator,
-    producers: Sequence[Participant],
+    producers: Sequence[Participant[ShardProducerRole]],
     *,
     target_version: int,
     resync: bool,
@@ -66,7 +66,7 @@ def run_transfer(
     transfer_id = new_transfer_id(target_version)
     order = StreamOrder(transfer_id, coordinator.relays, target_version, resync, options)
     started = time.monotonic()
-    streams = gather({p: p.call("refit_stream", order) for p in producers}, wait_s)
+    streams = gather({p: p.call(ShardProducerRole.refit_stream, order) for p in producers}, wait_s)
     streamed = time.monotonic()
     if not streams.ok:
         logger.warning("transfer %s: a producer failed; aborting", transfer_id)
@@ -87,22 +87,25 @@ def run_transfer(
 
 
 def _settle(
-    producers: Sequence[Participant], *, commit: bool, wait_s: float | None
+    producers: Sequence[Participant[ShardProducerRole]], *, commit: bool, wait_s: float | None
 ) -> tuple[str, ...]:
     """Commit or abort the producers' trackers; the labels of those that did not confirm.
 
     A producer still streaming when the transfer failed is not told: its stream fails on the
     aborted transfer and aborts its tracker itself (or its next stream drops the leftover)."""
-    method = "refit_commit" if commit else "refit_abort"
+    method = ShardProducerRole.refit_commit if commit else ShardProducerRole.refit_abort
     settled = gather({p: p.call(method) for p in producers}, wait_s)
     failed = (*settled.errors, *settled.missing)
     if failed:
-        logger.warning("%s failed on producers %s", method, [p.label for p in failed])
+        what = "commit" if commit else "abort"
+        logger.warning("%s failed on producers %s", what, [p.label for p in failed])
     return tuple(p.label for p in failed)
 
 
 def _producer_error(
-    errors: Mapping[Participant, BaseException], missing: Sequence[str], wait_s: float | None
+    errors: Mapping[Participant[ShardProducerRole], BaseException],
+    missing: Sequence[str],
+    wait_s: float | None,
 ) -> RefitError:
     """The error a failed stream raises: a producer's own refit error first, else a timeout
     naming the producers that never answered, else the first failure (a dead rank) named."""
@@ -115,5 +118,7 @@ def _producer_error(
         )
     participant, error = next(iter(errors.items()))
     return WorkerError(
-        f"{type(error).__name__}: {error}", worker=participant.label, operation="refit_stream"
+        f"{type(error).__name__}: {error}",
+        worker=participant.label,
+        operation=method_name(ShardProducerRole.refit_stream),
     )

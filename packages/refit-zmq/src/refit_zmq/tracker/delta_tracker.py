@@ -12,8 +12,7 @@ from typing import Self
 import numpy as np
 import torch
 
-from refit_core.errors import GeometryMismatchError
-from refit_core.types import NamedTensor, StateDictInfo, TensorSpec, WeightVersion
+from refit_core import GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec, WeightVersion
 from refit_zmq.codec.dtypes import flat_bits
 from refit_zmq.codec.format import DeltaPayload
 from refit_zmq.tracker.encoder import BucketEncoder, PendingWrite

@@ -25,9 +25,8 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from refit_core.checkpoint import checkpoint_specs
-from refit_core.errors import RefitError
-from refit_core.types import dtype_name
+from refit_core import RefitError
+from refit_core.backend import checkpoint_specs, dtype_name
 from refit_zmq.ipc import IpcReceiver
 
 __all__ = ["IpcInitInfo", "IpcUpdateInfo", "VllmIpcReceiver"]

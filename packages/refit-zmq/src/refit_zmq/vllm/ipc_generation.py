@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 
 __all__ = ["VllmIpcGeneration"]
 

@@ -25,7 +25,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.relay import CurveConfig
 from refit_zmq.sparse import EngineRelay
 from refit_zmq.vllm.shadow import ShadowWeights

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 
 __all__ = ["VllmRelayGeneration"]
 

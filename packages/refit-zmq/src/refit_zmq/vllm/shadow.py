@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.codec import tensor_digest
 
 __all__ = ["ShadowWeights", "layer_of"]
