@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import TensorSpec, WeightVersion
 from refit_lab.bench.harness import BenchContext, BenchReport, machine_info, timeit
 from refit_lab.bench.references import (
     memcpy_gbps,

@@ -47,9 +47,9 @@ import torch
 import xxhash
 import zmq
 
-from refit_core.participants import LocalParticipant, Participant
+from refit_core import WeightVersion
+from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
-from refit_core.types import WeightVersion
 from refit_lab.bench.codec import Trajectory, calibrate_lr
 from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
 from refit_lab.bench.references import _FILL, MiB, _zmq_receiver, zmq_stream
@@ -65,6 +65,7 @@ from refit_zmq.relay import (
     RelayCoordinator,
     RelayTuning,
     ShardProducer,
+    ShardProducerRole,
     TransferOptions,
     ZmqSparseRefitClient,
     deliver_payloads,
@@ -356,7 +357,7 @@ class _Weights:
 
 def _timed_refit(
     coordinator: RelayCoordinator,
-    producer: Participant,
+    producer: Participant[ShardProducerRole],
     tracker: DeltaCompressionTracker,
     client: ZmqSparseRefitClient,
     version: int,
@@ -432,7 +433,7 @@ def produce(
             compress=producing.compress,
         )
     )
-    producer = LocalParticipant(shard, "producer 0")
+    producer = LocalParticipant[ShardProducerRole](shard, "producer 0")
     tuning = producing.tuning
     coordinator = RelayCoordinator(api_key=None, timeout_s=60.0, tuning=tuning)
     client = ZmqSparseRefitClient(

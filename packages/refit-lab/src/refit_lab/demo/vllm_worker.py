@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_lab.digest import state_digest
 from refit_zmq.vllm.worker import ZmqWorkerExtension
 
