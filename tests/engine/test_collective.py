@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from engine_helpers import CheckpointPolicy, Checkpoints, Outputs, generate
 
-from refit_core import GeometryMismatchError, create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core import GeometryMismatchError, WeightSynchronizer, create_weight_synchronizer
 from refit_lab.ray_cluster import LocalCluster
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from engine_helpers import CheckpointPolicy, Checkpoints, Outputs, generate
 
-from refit_core import RefitError, create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core import RefitError, WeightSynchronizer, create_weight_synchronizer
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.zmq_faults import CorruptingRelayProxy
 
