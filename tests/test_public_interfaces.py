@@ -95,9 +95,9 @@ def imports(path: Path) -> Iterator[Import]:
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
             first = node.args[0]
-            if called in DYNAMIC_IMPORTERS and isinstance(first, ast.Constant):
-                if isinstance(first.value, str):
-                    yield Import(path, node.lineno, first.value, None)
+            literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if called in DYNAMIC_IMPORTERS and literal:
+                yield Import(path, node.lineno, str(first.value), None)
 
 
 def violation(found: Import, importer: Path | None) -> str | None:
