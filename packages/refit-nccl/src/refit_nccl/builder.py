@@ -39,7 +39,7 @@ class CollectivePolicy(Protocol):
 @runtime_checkable
 class CollectiveGeneration(Protocol):
     """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods,
-    or ready-made :class:`~refit_core.participants.Participant` objects (vLLM engines:
+    or ready-made :class:`~refit_core.backend.Participant` objects (vLLM engines:
     :class:`refit_nccl.vllm.VllmCollectiveGeneration`)."""
 
     def collective_shards(self) -> Mapping[int, Sequence[Any]]:
