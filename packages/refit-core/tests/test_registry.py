@@ -162,22 +162,28 @@ def test_unknown_names_list_what_exists() -> None:
         find_row("toy", False, "pigeon")
 
 
-def test_a_known_row_that_is_missing_names_its_install_line(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("known", "error", "message"),
+    [
+        (
+            KnownRow("toy", "colocated", "shm", "refit-not-installed", "toy"),
+            BackendNotInstalledError,
+            re.escape('pip install "refit-core[toy]"'),
+        ),
+        (
+            KnownRow("toy", "colocated", "dma", "refit-toy", "toy"),
+            NotImplementedError,
+            "not implemented by refit-toy 0.3.0",
+        ),
+    ],
+    ids=["package missing", "package too old"],
+)
+def test_a_known_row_that_no_installed_package_registers(
+    monkeypatch: pytest.MonkeyPatch, known: KnownRow, error: type[Exception], message: str
 ) -> None:
-    absent = KnownRow("toy", "colocated", "shm", "refit-not-installed", "toy")
-    monkeypatch.setattr(known_rows, "KNOWN_ROWS", (*known_rows.KNOWN_ROWS, absent))
-    with pytest.raises(BackendNotInstalledError, match=re.escape(absent.install_hint)):
-        find_row("toy", True, "shm")
-
-
-def test_a_known_row_its_installed_package_lacks_is_not_implemented(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    newer = KnownRow("toy", "colocated", "dma", "refit-toy", "toy")
-    monkeypatch.setattr(known_rows, "KNOWN_ROWS", (*known_rows.KNOWN_ROWS, newer))
-    with pytest.raises(NotImplementedError, match="not implemented by refit-toy 0.3.0"):
-        find_row("toy", True, "dma")
+    monkeypatch.setattr(known_rows, "KNOWN_ROWS", (*known_rows.KNOWN_ROWS, known))
+    with pytest.raises(error, match=message):
+        find_row(known.backend, colocated=True, transport=known.transport)
 
 
 def test_backends_shows_default_stage_clusters_and_options(
