@@ -13,6 +13,8 @@ from refit_core.registry import discover, find_row
 
 CLUSTERS = {"train_cluster": object(), "inference_cluster": object()}
 INSTALLED = {r.row.key for r in discover().rows}
+MISSING = [r for r in KNOWN_ROWS if r.key not in INSTALLED]
+PRESENT = [r for r in KNOWN_ROWS if r.key in INSTALLED]
 
 
 class Untouchable:
@@ -71,16 +73,14 @@ def test_every_known_row_has_unique_key_and_hint() -> None:
     assert len(defaults) == len(set(defaults))
 
 
-@pytest.mark.parametrize(
-    "row", [r for r in KNOWN_ROWS if r.key not in INSTALLED], ids=lambda r: r.key
-)
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.key) for r in MISSING])
 def test_uninstalled_row_names_its_install_line(row: KnownRow) -> None:
     with pytest.raises(BackendNotInstalledError, match=re.escape(row.install_hint)) as info:
         find_row(row.backend, row.topology == "colocated", row.transport)
     assert isinstance(info.value, ImportError)
 
 
-@pytest.mark.parametrize("row", [r for r in KNOWN_ROWS if r.key in INSTALLED], ids=lambda r: r.key)
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.key) for r in PRESENT])
 def test_installed_rows_agree_with_core_hints(row: KnownRow) -> None:
     installed = find_row(row.backend, row.topology == "colocated", row.transport)
     assert installed.distribution == row.package
