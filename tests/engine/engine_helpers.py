@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,14 +14,15 @@ from typing import Any
 import torch
 
 from refit_core.sources import StateDictSource
+from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
 MODEL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 1,  # head_dim 64: vLLM's CPU attention refuses 16
-    "num_key_value_heads": 1,
-    "vocab_size": 1000,
+    "num_attention_heads": 2,  # head_dim 64 (vLLM's CPU attention refuses 16), split over 2 ranks
+    "num_key_value_heads": 2,
+    "vocab_size": 4000,  # 1 MB embeddings: a collective refit takes several 1 MiB buckets
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
     "initializer_range": 0.1,
@@ -24,9 +30,6 @@ MODEL = {
 CHANGED_FRACTION = 0.01
 PROMPT_TOKENS = 160  # spans full KV blocks, so the prefix cache holds them
 NEW_TOKENS = 8
-
-Outputs = list[tuple[tuple[int, ...], tuple[float, ...]]]
-"""Per prompt: greedy token ids and each sampled token's logprob."""
 
 
 @dataclass
@@ -49,7 +52,7 @@ class CheckpointPolicy:
         return StateDictSource(self._checkpoints.tensors[self.state], dtype="bfloat16")
 
 
-def _perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     changed = {}
     for name, tensor in tensors.items():
@@ -69,8 +72,8 @@ def make_checkpoints(root: Path) -> Checkpoints:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         checkpoints.tensors[name] = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    checkpoints.tensors["B'"] = _perturb(checkpoints.tensors["B"], seed=3)
-    checkpoints.tensors["B''"] = _perturb(checkpoints.tensors["B'"], seed=4)
+    checkpoints.tensors["B'"] = perturb(checkpoints.tensors["B"], seed=3)
+    checkpoints.tensors["B''"] = perturb(checkpoints.tensors["B'"], seed=4)
     for name, tensors in checkpoints.tensors.items():
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         model.load_state_dict(tensors)
@@ -80,19 +83,112 @@ def make_checkpoints(root: Path) -> Checkpoints:
     return checkpoints
 
 
-def start_engine(path: str, extra: dict[str, Any]) -> Any:
-    """A real vLLM engine on ``path`` (CPU, eager, bf16)."""
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_engine(path: str, extra: dict[str, Any], tp: int = 1) -> Any:
+    """A real vLLM engine on ``path`` (CPU, eager, bf16), ``tp`` tensor-parallel workers (each
+    bound to a core of its own: vLLM's default binding refuses two workers on one NUMA node)."""
     from vllm import LLM
 
-    return LLM(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        seed=0,
-        **extra,
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp))} if tp > 1 else {}
+    with _environment(binding):
+        return LLM(
+            model=path,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=256,
+            seed=0,
+            tensor_parallel_size=tp,
+            **extra,
+        )
+
+
+def reloaded_outputs(llm: Any, path: str) -> Outputs:
+    """Outputs after vLLM's own in-place reload of the checkpoint at ``path`` (its
+    ``reload_weights``, the path vLLM's own loader takes at start-up)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    return generate(llm)
+
+
+@dataclass
+class Engine:
+    """A session's engine and what vLLM itself generates on each checkpoint.
+
+    Attributes:
+        llm: the engine.
+        tp: its tensor-parallel size.
+        expected: state -> outputs: the start state's from the engine fresh, the others after
+            vLLM's own reload from disk (checked to reproduce the fresh outputs exactly).
+    """
+
+    llm: Any
+    tp: int
+    expected: dict[str, Outputs]
+    version: int = 0
+
+    def next_version(self) -> int:
+        """A version above every one this engine's receivers saw."""
+        self.version += 1
+        return self.version
+
+
+@contextmanager
+def running_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int) -> Iterator[Engine]:
+    """An engine fresh on B' for a test module, shut down after it."""
+    engine = open_engine(checkpoints, extra, tp, "B'")
+    try:
+        yield engine
+    finally:
+        engine.llm.llm_engine.engine_core.shutdown()
+
+
+def open_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int, start: str) -> Engine:
+    """An engine fresh on ``start``, with vLLM's own outputs on every other checkpoint."""
+    llm = start_engine(checkpoints.paths[start], extra, tp)
+    expected = {start: generate(llm)}
+    for state in ("A", "B''"):
+        if state != start:
+            expected[state] = reloaded_outputs(llm, checkpoints.paths[state])
+    assert reloaded_outputs(llm, checkpoints.paths[start]) == expected[start], (
+        "vLLM's own reload must reproduce a fresh engine exactly"
     )
+    assert len(set(map(str, expected.values()))) == len(expected), "states must differ"
+    return Engine(llm, tp, expected)
+
+
+class Pending:
+    """One ``generate`` call running on a thread (an engine closed by a failed refit must hold
+    it, neither aborted nor answered, until a complete refit reopens it)."""
+
+    def __init__(self, llm: Any) -> None:
+        self._result: list[Outputs] = []
+        self._thread = threading.Thread(target=lambda: self._result.append(generate(llm)))
+        self._thread.start()
+
+    def answered_within(self, wait_s: float) -> bool:
+        """Whether it finished within ``wait_s``."""
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
+
+    def outputs(self, timeout_s: float = 120.0) -> Outputs:
+        started = time.monotonic()
+        self._thread.join(timeout_s)
+        assert self._result, f"no answer within {time.monotonic() - started:.0f} s"
+        return self._result[0]
 
 
 def _prompts() -> list[list[int]]:
@@ -106,21 +202,7 @@ def _prompts() -> list[list[int]]:
 def generate(llm: Any, *, expect_cached: bool | None = None) -> Outputs:
     """Greedy outputs of the tier's prompts; with ``expect_cached`` also check whether the
     prefix cache served part of them."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
-    results = llm.generate(prompts, params, use_tqdm=False)
+    outputs, cached = greedy_outputs(llm, _prompts(), NEW_TOKENS)
     if expect_cached is not None:
-        cached = [r.num_cached_tokens or 0 for r in results]
         assert (min(cached) > 0) == expect_cached, f"cached prompt tokens: {cached}"
-    outputs: Outputs = []
-    for result in results:
-        completion = result.outputs[0]
-        logprobs = tuple(
-            step[token].logprob
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        )
-        outputs.append((tuple(completion.token_ids), logprobs))
     return outputs

@@ -1,5 +1,11 @@
-"""refit-nccl's packed collective into a real vLLM engine: the synchronizer's trainer rank in
-this process, the receiver inside the engine's worker, through the factory."""
+"""refit-nccl's packed collective into real vLLM engines (tensor-parallel 1 and 2): the
+trainer in this process or, for the failure tests, in a process of its own that kills or
+freezes itself mid-transfer; the receivers in every worker, through the factory.
+
+A failed refit leaves a staged engine (the default) on exactly its previous weights, serving;
+a streaming engine whose model was written stays closed (requests held, none answered) until
+a complete refit reopens it on the new weights.
+"""
 
 from __future__ import annotations
 
@@ -7,94 +13,126 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_helpers import CheckpointPolicy, Checkpoints, Outputs, generate
+from child_trainer import ChildParticipant, collective_trainer
+from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import GeometryMismatchError, WeightSynchronizer, create_weight_synchronizer
+from refit_core import (
+    GeometryMismatchError,
+    RefitError,
+    WeightSynchronizer,
+    create_weight_synchronizer,
+)
 from refit_lab.ray_cluster import LocalCluster
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-
-@pytest.fixture(scope="module")
-def policy(checkpoints: Checkpoints) -> CheckpointPolicy:
-    return CheckpointPolicy(checkpoints, "A")
+BUCKET_BYTES = 1 << 20  # the smallest geometry: a refit of the tier's model takes 4 buckets
+DEADLINE_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def synchronizer(
-    collective_engine: tuple[Any, Outputs], policy: CheckpointPolicy
-) -> Iterator[WeightSynchronizer]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+    from refit_nccl.vllm import engine_args
+
+    with running_engine(checkpoints, engine_args(), request.param) as running:
+        yield running
+
+
+def _generation(engine: Engine, *, staged: bool = True) -> Any:
     from refit_nccl.vllm import VllmCollectiveGeneration
 
-    llm, _ = collective_engine
-    with create_weight_synchronizer(
+    return VllmCollectiveGeneration([engine.llm], staged=staged, buffer_size_bytes=BUCKET_BYTES)
+
+
+def _synchronizer(policy: Any, generation: Any) -> WeightSynchronizer:
+    return create_weight_synchronizer(
         policy,
-        VllmCollectiveGeneration([llm]),
+        generation,
         "vllm",
         False,
         train_cluster=LocalCluster(1),
         inference_cluster=LocalCluster(1),
         refit_timeout_s=120.0,
-    ) as synchronizer:
-        yield synchronizer
+    )
 
 
-def _refit(synchronizer: WeightSynchronizer, policy: CheckpointPolicy, state: str) -> int:
-    policy.state = state
-    result = synchronizer.sync_weights()
-    assert result.ok and result.dense_bytes > 0
-    return result.version
+def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool = True) -> int:
+    """A complete refit to ``state`` from a trainer in this process."""
+    with _synchronizer(
+        CheckpointPolicy(checkpoints, state), _generation(engine, staged=staged)
+    ) as sync:
+        return sync.sync_weights(engine.next_version()).version
 
 
-def test_refit_a_to_b_equals_a_fresh_engine_on_b(
-    collective_engine: tuple[Any, Outputs],
-    synchronizer: WeightSynchronizer,
-    policy: CheckpointPolicy,
-    fresh: dict[str, Outputs],
+def _failing(engine: Engine, checkpoints: Checkpoints, fault: str, *, staged: bool) -> RefitError:
+    """A refit to A whose trainer process faults itself half-way through its tensors."""
+    from refit_nccl import CollectiveWeightSynchronizer
+
+    names = len(checkpoints.tensors["A"])
+    trainer = ChildParticipant(
+        "trainer 0", collective_trainer, [checkpoints.paths["A"]], fault, names // 2
+    )
+    trainer.call("refit_state").result(timeout=120)  # started: the deadline is the refit's
+    generation = _generation(engine, staged=staged)
+    synchronizer = CollectiveWeightSynchronizer(
+        [trainer],
+        generation.collective_shards,
+        LocalCluster(1).get_master_address_and_port,
+        refit_timeout_s=DEADLINE_S,
+    )
+    try:
+        with pytest.raises(RefitError) as failed:
+            synchronizer.sync_weights(engine.next_version())
+        return failed.value
+    finally:
+        synchronizer.shutdown()
+        trainer.close()
+
+
+def test_every_worker_receives_and_refits_equal_vllms_own_load(
+    engine: Engine, checkpoints: Checkpoints
 ) -> None:
-    llm, _ = collective_engine
-    generate(llm, expect_cached=True)  # B' prefixes are cached now
-    _refit(synchronizer, policy, "A")
-    on_a = generate(llm, expect_cached=False)  # the commit reset the prefix cache
-    assert on_a != fresh["B"]
-    version = _refit(synchronizer, policy, "B")
-    assert generate(llm, expect_cached=False) == fresh["B"]
-    assert llm.llm_engine.get_weight_version() == str(version)
-
-
-def test_sparse_change_b_to_b_prime_equals_a_fresh_engine_on_b_prime(
-    collective_engine: tuple[Any, Outputs],
-    synchronizer: WeightSynchronizer,
-    policy: CheckpointPolicy,
-    fresh: dict[str, Outputs],
-) -> None:
-    llm, _ = collective_engine
-    assert fresh["B'"] != fresh["B"], "the 1% change must show in the logprobs"
-    _refit(synchronizer, policy, "B'")
-    assert generate(llm, expect_cached=False) == fresh["B'"]
+    assert len(_generation(engine).collective_shards()[0]) == engine.tp
+    refits_away_and_back(
+        engine, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
+    )
 
 
 def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
-    collective_engine: tuple[Any, Outputs], checkpoints: Checkpoints, fresh: dict[str, Outputs]
+    engine: Engine, checkpoints: Checkpoints
 ) -> None:
-    from refit_nccl.vllm import VllmCollectiveGeneration
-
-    llm, _ = collective_engine
     checkpoints.tensors["wrong"] = {
         name: tensor[:1] if name == "lm_head.weight" else tensor
         for name, tensor in checkpoints.tensors["A"].items()
     }
     with (
-        create_weight_synchronizer(
-            CheckpointPolicy(checkpoints, "wrong"),
-            VllmCollectiveGeneration([llm]),
-            "vllm",
-            False,
-            train_cluster=LocalCluster(1),
-            inference_cluster=LocalCluster(1),
-            refit_timeout_s=60.0,
-        ) as synchronizer,
+        _synchronizer(CheckpointPolicy(checkpoints, "wrong"), _generation(engine)) as sync,
         pytest.raises(GeometryMismatchError, match=r"lm_head\.weight"),
     ):
-        synchronizer.sync_weights()
-    assert generate(llm) == fresh["B'"], "the engine still serves what it had"
+        sync.sync_weights(engine.next_version())
+    assert generate(engine.llm) == engine.expected["B'"], "the engine still serves what it had"
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_staged_refit_whose_trainer_fails_mid_transfer_leaves_the_previous_weights(
+    engine: Engine, checkpoints: Checkpoints, fault: str
+) -> None:
+    served = engine.llm.llm_engine.get_weight_version()
+    error = _failing(engine, checkpoints, fault, staged=True)
+    previous_weights_after(
+        engine,
+        error,
+        served,
+        lambda state, staged: _refit(engine, checkpoints, state, staged=staged),
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_streamed_refit_whose_trainer_fails_mid_transfer_closes_the_engine_until_a_refit(
+    engine: Engine, checkpoints: Checkpoints, fault: str
+) -> None:
+    error = _failing(engine, checkpoints, fault, staged=False)
+    closed_until_a_refit(
+        engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
+    )

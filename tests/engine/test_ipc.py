@@ -1,5 +1,12 @@
-"""refit-zmq's colocated IPC channel into a real vLLM engine on this host: shared-memory
-buffers, the receiver serving inside vLLM's update session, through the factory."""
+"""refit-zmq's colocated IPC channel into real vLLM engines on this host (tensor-parallel 1 and
+2): shared-memory buffers, every worker serving inside vLLM's update session, through the
+factory; for the failure tests the trainer (refit-zmq's own IPC synchronizer) runs in a process
+of its own that is killed, frozen, or sends a corrupted bucket mid-refit.
+
+A failed refit leaves a staged engine (the default) on exactly its previous weights, serving;
+a streaming engine whose model was written stays closed (requests held, none answered) until
+a complete refit reopens it on the new weights.
+"""
 
 from __future__ import annotations
 
@@ -7,69 +14,137 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_helpers import CheckpointPolicy, Checkpoints, Outputs, generate
+from child_trainer import ChildParticipant, ipc_trainer
+from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import GeometryMismatchError, WeightSynchronizer, create_weight_synchronizer
+from refit_core import (
+    GeometryMismatchError,
+    RefitError,
+    WeightSynchronizer,
+    create_weight_synchronizer,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-BUFFER_GB = 64 / 1024 / 1024  # 64 KiB buffers: many buckets, and one-off buffers for embeddings
+BUFFER_BYTES = 256 << 10  # 256 KiB buffers: many buckets, one-off buffers for the embeddings
+DEADLINE_S = 10.0
+FAULTS = [("kill", None), ("freeze", None), (None, 3)]
+"""(self-inflicted fault, corrupted bucket): killed, frozen, or the third bucket corrupted."""
 
 
-@pytest.fixture(scope="module")
-def generation(ipc_engine: tuple[Any, Outputs]) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+    from refit_zmq.vllm import engine_args
+
+    with running_engine(checkpoints, engine_args("ipc"), request.param) as running:
+        yield running
+
+
+def _generation(engine: Engine, *, staged: bool = True) -> Any:
     from refit_zmq.vllm import VllmIpcGeneration
 
-    llm, _ = ipc_engine
-    generation = VllmIpcGeneration([llm])
+    return VllmIpcGeneration([engine.llm], staged=staged)
+
+
+def _synchronizer(policy: Any, generation: Any) -> WeightSynchronizer:
+    return create_weight_synchronizer(
+        policy,
+        generation,
+        "vllm",
+        True,
+        refit_buffer_size_gb=BUFFER_BYTES / (1 << 30),
+        refit_timeout_s=120.0,
+    )
+
+
+def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool = True) -> int:
+    """A complete refit to ``state`` from a trainer in this process."""
+    generation = _generation(engine, staged=staged)
     try:
-        yield generation
+        with _synchronizer(CheckpointPolicy(checkpoints, state), generation) as sync:
+            return sync.sync_weights(engine.next_version()).version
     finally:
         generation.close()
 
 
-def _synchronizer(policy: CheckpointPolicy, generation: Any) -> WeightSynchronizer:
-    return create_weight_synchronizer(
-        policy, generation, "vllm", True, refit_buffer_size_gb=BUFFER_GB, refit_timeout_s=120.0
+def _failing(
+    engine: Engine,
+    checkpoints: Checkpoints,
+    fault: str | None,
+    corrupt: int | None,
+    *,
+    staged: bool,
+) -> RefitError:
+    """A refit to A whose trainer process fails half-way (the sessions, opened here as the
+    synchronizer's own ``RefitSessions`` would, end by the deadline)."""
+    generation = _generation(engine, staged=staged)
+    version = engine.next_version()
+    arguments = (generation.ipc_addresses(), DEADLINE_S, BUFFER_BYTES, corrupt)
+    names = len(checkpoints.tensors["A"])
+    trainer = ChildParticipant(
+        "trainer", ipc_trainer, [checkpoints.paths["A"]], fault, names // 2, *arguments
+    )
+    try:
+        trainer.call("refit_ready").result(timeout=120)
+        generation.refit_started(version, DEADLINE_S)
+        outcome = trainer.call("refit_sync", version)
+        with pytest.raises(RefitError) as failed:
+            generation.refit_finished(version, committed=False)
+        assert not outcome.done() or outcome.exception() is not None, "the trainer never committed"
+        return failed.value
+    finally:
+        generation.close()
+        trainer.close()
+
+
+def test_every_worker_receives_and_refits_equal_vllms_own_load(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    assert len(_generation(engine).ipc_addresses()) == engine.tp
+    refits_away_and_back(
+        engine, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
     )
 
 
-def test_refits_a_to_b_to_b_prime_equal_fresh_engines(
-    ipc_engine: tuple[Any, Outputs],
-    generation: Any,
-    checkpoints: Checkpoints,
-    fresh: dict[str, Outputs],
-) -> None:
-    llm, on_a = ipc_engine
-    assert on_a != fresh["B"]
-    generate(llm, expect_cached=True)  # A prefixes are cached now
-    policy = CheckpointPolicy(checkpoints, "B")
-    with _synchronizer(policy, generation) as synchronizer:
-        result = synchronizer.sync_weights()
-        assert result.ok
-        assert generate(llm, expect_cached=False) == fresh["B"]
-        assert llm.llm_engine.get_weight_version() == str(result.version)
-        policy.state = "B'"
-        synchronizer.sync_weights()
-        assert generate(llm, expect_cached=False) == fresh["B'"]
-
-
 def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
-    ipc_engine: tuple[Any, Outputs],
-    generation: Any,
-    checkpoints: Checkpoints,
-    fresh: dict[str, Outputs],
+    engine: Engine, checkpoints: Checkpoints
 ) -> None:
-    llm, _ = ipc_engine
     checkpoints.tensors["wrong"] = {
         name: tensor[:1] if name == "lm_head.weight" else tensor
         for name, tensor in checkpoints.tensors["B"].items()
     }
-    served = llm.llm_engine.get_weight_version()
+    served = engine.llm.llm_engine.get_weight_version()
+    generation = _generation(engine)
     with (
-        _synchronizer(CheckpointPolicy(checkpoints, "wrong"), generation) as synchronizer,
+        _synchronizer(CheckpointPolicy(checkpoints, "wrong"), generation) as sync,
         pytest.raises(GeometryMismatchError, match=r"lm_head\.weight"),
     ):
-        synchronizer.sync_weights(version=int(served) + 1)
-    assert generate(llm) == fresh["B'"], "the engine still serves what it had"
-    assert llm.llm_engine.get_weight_version() == served
+        sync.sync_weights(engine.next_version())
+    generation.close()
+    assert generate(engine.llm) == engine.expected["B'"], "the engine still serves what it had"
+    assert engine.llm.llm_engine.get_weight_version() == served
+
+
+@pytest.mark.parametrize(("fault", "corrupt"), FAULTS, ids=["kill", "freeze", "corrupt"])
+def test_staged_refit_that_fails_mid_transfer_leaves_the_previous_weights(
+    engine: Engine, checkpoints: Checkpoints, fault: str | None, corrupt: int | None
+) -> None:
+    served = engine.llm.llm_engine.get_weight_version()
+    error = _failing(engine, checkpoints, fault, corrupt, staged=True)
+    previous_weights_after(
+        engine,
+        error,
+        served,
+        lambda state, staged: _refit(engine, checkpoints, state, staged=staged),
+    )
+
+
+@pytest.mark.parametrize(("fault", "corrupt"), FAULTS, ids=["kill", "freeze", "corrupt"])
+def test_streamed_refit_that_fails_mid_transfer_closes_the_engine_until_a_refit(
+    engine: Engine, checkpoints: Checkpoints, fault: str | None, corrupt: int | None
+) -> None:
+    error = _failing(engine, checkpoints, fault, corrupt, staged=False)
+    closed_until_a_refit(
+        engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
+    )

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.engine
 def test_refit_vllm_modules_do_not_import_vllm() -> None:
     script = (
         "import json, sys\n"
-        "import refit_nccl, refit_nccl.vllm, refit_zmq, refit_zmq.vllm, refit_zmq.sparse\n"
+        "import refit_nccl, refit_nccl.vllm, refit_nccl.vllm_native, refit_zmq, refit_zmq.vllm\n"
+        "import refit_zmq.sparse, refit_dynamo\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
     )
     proc = subprocess.run(

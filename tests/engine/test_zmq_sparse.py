@@ -1,6 +1,10 @@
-"""refit-zmq's sparse relay receiver inside a real vLLM engine: deltas applied to the
-worker's checkpoint-format shadow, pushed through layerwise reload on commit, and a transfer
-that fails part-way rolled back without the engine ever seeing it."""
+"""refit-zmq's sparse relay receiver inside real vLLM engines (tensor-parallel 1 and 2): a relay
+in every worker staging deltas; after the commit, the engine closed while the deltas are
+written in place (runtime parameters the write map reaches) and into the shadow (modules vLLM's
+CPU backend repacked, then reloaded); a transfer that fails part-way (producer killed or frozen
+mid-stream, a payload corrupted on the wire) never reaches the model, so the engine serves
+exactly its previous weights, bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_helpers import CheckpointPolicy, Checkpoints, Outputs, generate
+from child_trainer import ChildParticipant, sparse_producer
+from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
 from refit_core import RefitError, WeightSynchronizer, create_weight_synchronizer
+from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
-from refit_lab.zmq_faults import CorruptingRelayProxy
+from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-BUCKET_GB = 32 / 1024 / 1024  # 32 KiB of dense input per payload: a dozen payloads per refit
+BUCKET_GB = 32 / 1024 / 1024  # 32 KiB of dense input per payload: dozens of payloads per refit
+DEADLINE_S = 10.0
 
 
 class _CorruptNth(CorruptingRelayProxy):
@@ -38,18 +45,28 @@ class _CorruptNth(CorruptingRelayProxy):
         return super()._maybe_corrupt(frames)
 
 
-class _Routed:
-    """The generation, with its relay reached through a proxy."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+    from refit_zmq.vllm import engine_args
 
-    def __init__(self, generation: Any, proxy: CorruptingRelayProxy) -> None:
-        self._generation = generation
-        self._proxy = proxy
+    with running_engine(checkpoints, engine_args(), request.param) as running:
+        yield running
 
-    def relay_addresses(self) -> list[str]:
-        return [self._proxy.address]
 
-    def refit_committed(self, version: int) -> None:
-        self._generation.refit_committed(version)
+@pytest.fixture(scope="module")
+def generation(engine: Engine) -> Any:
+    from refit_zmq.vllm import VllmRelayGeneration
+
+    return VllmRelayGeneration([engine.llm], relay_timeout_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def proxy(generation: Any) -> Iterator[_CorruptNth]:
+    proxy = _CorruptNth(generation.relay_addresses()[0])
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 @pytest.fixture(scope="module")
@@ -58,30 +75,12 @@ def policy(checkpoints: Checkpoints) -> CheckpointPolicy:
 
 
 @pytest.fixture(scope="module")
-def generation(sparse_engine: tuple[Any, Outputs]) -> Any:
-    from refit_zmq.vllm import VllmRelayGeneration
-
-    llm, _ = sparse_engine
-    return VllmRelayGeneration([llm], relay_timeout_s=20.0)
-
-
-@pytest.fixture(scope="module")
-def proxy(generation: Any) -> Iterator[_CorruptNth]:
-    (address,) = generation.relay_addresses()
-    proxy = _CorruptNth(address)
-    try:
-        yield proxy
-    finally:
-        proxy.close()
-
-
-@pytest.fixture(scope="module")
 def synchronizer(
     generation: Any, proxy: _CorruptNth, policy: CheckpointPolicy
 ) -> Iterator[WeightSynchronizer]:
     with create_weight_synchronizer(
         policy,
-        _Routed(generation, proxy),
+        ProxiedRelays(generation, proxy),
         "vllm",
         False,
         train_cluster=LocalCluster(1),
@@ -93,55 +92,92 @@ def synchronizer(
         yield synchronizer
 
 
-def test_refit_a_to_b_equals_a_fresh_engine_on_b(
-    sparse_engine: tuple[Any, Outputs],
-    synchronizer: WeightSynchronizer,
-    policy: CheckpointPolicy,
-    fresh: dict[str, Outputs],
-) -> None:
-    llm, _ = sparse_engine
-    generate(llm, expect_cached=True)  # B prefixes are cached now
-    policy.state = "A"
-    synchronizer.sync_weights()  # the first refit: a dense resync
-    assert generate(llm, expect_cached=False) != fresh["B"]
-    policy.state = "B"
-    result = synchronizer.sync_weights()
-    assert generate(llm, expect_cached=False) == fresh["B"]
-    assert llm.llm_engine.get_weight_version() == str(result.version)
+def _refit(
+    engine: Engine, synchronizer: WeightSynchronizer, policy: CheckpointPolicy, state: str
+) -> Any:
+    policy.state = state
+    return synchronizer.sync_weights(engine.next_version())
 
 
-def test_sparse_refit_b_to_b_prime_equals_a_fresh_engine_on_b_prime(
-    sparse_engine: tuple[Any, Outputs],
+def test_every_worker_runs_a_relay_and_refits_equal_vllms_own_load(
+    engine: Engine,
+    generation: Any,
     synchronizer: WeightSynchronizer,
     policy: CheckpointPolicy,
-    fresh: dict[str, Outputs],
+    checkpoints: Checkpoints,
 ) -> None:
-    llm, _ = sparse_engine
-    policy.state = "B'"
-    result = synchronizer.sync_weights()
+    llm = engine.llm
+    assert len(generation.relay_addresses()) == engine.tp
+    generate(llm, expect_cached=True)  # B' prefixes are cached now
+    _refit(engine, synchronizer, policy, "A")  # the first refit: a dense resync
+    assert generate(llm, expect_cached=False) == engine.expected["A"], "the commit reset the cache"
+    _refit(engine, synchronizer, policy, "B'")
+    assert generate(llm, expect_cached=False) == engine.expected["B'"]
+    result = _refit(engine, synchronizer, policy, "B''")
     assert result.changed_elements is not None
     assert 0 < result.changed_elements < 0.03 * result.dense_bytes / 2
     assert result.wire_bytes < result.dense_bytes / 4, "a 1% change travels sparse"
-    assert generate(llm, expect_cached=False) == fresh["B'"]
+    assert generate(llm, expect_cached=False) == engine.expected["B''"]
+    assert llm.llm_engine.get_weight_version() == str(result.version)
+    if engine.tp == 1:  # a worker holding whole tensors reads every one back, bit for bit
+        from refit_zmq.vllm.engines import call_workers
+
+        (digests,) = call_workers(llm, "engine", "checkpoint_digests", (), 120.0)
+        assert digests == state_digest(checkpoints.tensors["B''"].items())
+    _refit(engine, synchronizer, policy, "B'")
+    assert generate(llm) == engine.expected["B'"]
 
 
-def test_refit_corrupted_mid_way_leaves_the_previous_version(
-    sparse_engine: tuple[Any, Outputs],
+def test_refit_corrupted_mid_way_leaves_the_previous_weights(
+    engine: Engine, synchronizer: WeightSynchronizer, policy: CheckpointPolicy, proxy: _CorruptNth
+) -> None:
+    served = engine.llm.llm_engine.get_weight_version()
+    policy.state = "B''"
+    proxy.corrupt_chunk(3)  # earlier payloads are staged, a later one is corrupted
+    with pytest.raises(RefitError, match="checksum"):
+        synchronizer.sync_weights(engine.next_version())
+    assert proxy.corrupted == 1
+    assert generate(engine.llm) == engine.expected["B'"], "exactly the previous weights"
+    assert engine.llm.llm_engine.get_weight_version() == served
+    _refit(engine, synchronizer, policy, "B''")  # the same refit again, uncorrupted
+    assert generate(engine.llm, expect_cached=False) == engine.expected["B''"]
+    _refit(engine, synchronizer, policy, "B'")
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
+    engine: Engine,
+    generation: Any,
     synchronizer: WeightSynchronizer,
     policy: CheckpointPolicy,
-    proxy: _CorruptNth,
-    fresh: dict[str, Outputs],
+    checkpoints: Checkpoints,
+    fault: str,
 ) -> None:
-    llm, _ = sparse_engine
-    served = llm.llm_engine.get_weight_version()
-    policy.state = "B''"
-    proxy.corrupt_chunk(3)  # earlier payloads apply to the shadow, a later one is corrupted
-    with pytest.raises(RefitError, match="checksum"):
-        synchronizer.sync_weights()
-    assert proxy.corrupted == 1
-    assert generate(llm) == fresh["B'"], "exactly the previous version"
-    assert llm.llm_engine.get_weight_version() == served
+    from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
-    result = synchronizer.sync_weights()  # the same refit again, uncorrupted
-    assert result.ok
-    assert generate(llm, expect_cached=False) != fresh["B'"]
+    names = len(checkpoints.tensors["B'"])
+    paths = [checkpoints.paths["B'"], checkpoints.paths["B''"]]
+    # a dense resync to B', then the sparse refit to B'' dies half-way through its tensors
+    producer = ChildParticipant("producer 0", sparse_producer, paths, fault, names + names // 2)
+    child = ZmqSparseWeightSynchronizer(
+        [producer],
+        generation.relay_addresses,
+        refit_timeout_s=DEADLINE_S,
+        options=ZmqSparseOptions(bucket_size_bytes=int(BUCKET_GB * (1 << 30))),
+        on_commit=generation.refit_committed,
+    )
+    try:
+        producer.call("refit_close").result(timeout=120)  # started: the deadline is the refit's
+        child.sync_weights(engine.next_version())
+        served = engine.llm.llm_engine.get_weight_version()
+        with pytest.raises(RefitError):
+            child.sync_weights(engine.next_version())
+        assert generate(engine.llm) == engine.expected["B'"], "exactly the previous weights"
+        assert engine.llm.llm_engine.get_weight_version() == served
+    finally:
+        producer.close()  # gone before the synchronizer says goodbye to it
+        child.shutdown()
+    synchronizer.reconcile_communicator()  # the relays' tree was the other synchronizer's
+    _refit(engine, synchronizer, policy, "B''")  # the next refit, from a live trainer
+    assert generate(engine.llm) == engine.expected["B''"]
+    _refit(engine, synchronizer, policy, "B'")

@@ -126,3 +126,18 @@ def vllm_receiver(results: Any, host: str, port: int, rank: int, world: int, see
     ]
     results.put({"rank": rank, "event": "received", "wrong": wrong, "sizes": group.sizes})
     time.sleep(600)
+
+
+def check_a_transfer_nobody_joins_ends_by_the_deadline(trainer: Any, deadline_s: float) -> None:
+    """``trainer.refit_transfer`` with no receiver taking part raises ``RefitTimeoutError`` by
+    ``deadline_s`` + 1 s, and the aborted group refuses the next transfer."""
+    import pytest
+
+    from refit_core import RefitAbortedError, RefitTimeoutError
+
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError):
+        trainer.refit_transfer(2, deadline_s)
+    assert time.monotonic() - started <= deadline_s + 1.0
+    with pytest.raises(RefitAbortedError):
+        trainer.refit_transfer(3, 5.0)

@@ -20,6 +20,9 @@ def test_backends_lists_every_known_row(capsys: pytest.CaptureFixture[str]) -> N
     for row in KNOWN_ROWS:
         line = next(x for x in lines if x.split()[:3] == row.key.split("."))
         assert line.endswith("installed") or line.endswith(row.install_hint)
+    if importlib.util.find_spec("refit_zmq") is not None:
+        note = "vllm.non-colocated.zmq_sparse: previous version, bit for bit"
+        assert any(x.strip().startswith(note) for x in lines)
 
 
 def test_backends_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,6 +36,9 @@ def test_backends_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert record["version"] == (__version__ if installed else None)
         assert record["install_hint"] == (None if installed else row.install_hint)
         assert record["can_stage"] is (False if installed else None)
+    collective = records["vllm.non-colocated.collective"]
+    if collective["status"] == "installed":
+        assert "closed until a complete refit" in collective["on_failure"]
 
 
 def test_console_script_runs() -> None:

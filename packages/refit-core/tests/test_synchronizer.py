@@ -11,10 +11,12 @@ from refit_core import (
     RefitError,
     RefitResult,
     RefitTimeoutError,
+    StagedRefit,
     SynchronizerClosedError,
     WeightSynchronizer,
 )
 from refit_core.backend import Deadline
+from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
 
 
 class RecordingSynchronizer(WeightSynchronizer):
@@ -124,3 +126,145 @@ def test_reconcile_without_change_is_noop_and_absent_shards_refused_without_memb
 def test_invalid_timeout_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="positive"):
         RecordingSynchronizer(refit_timeout_s=0)
+
+
+class FleetSynchronizer(RecordingSynchronizer):
+    """An in-test backend over a dict fleet: shard -> served version, or a health."""
+
+    def __init__(self, fleet: dict[int, int | EngineHealth]) -> None:
+        super().__init__(refit_timeout_s=5.0)
+        self.fleet = fleet
+        self.absent: frozenset[int] = frozenset()
+
+    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+        engines = []
+        for shard, held in self.fleet.items():
+            if isinstance(held, EngineHealth):
+                engines.append(EngineStatus(shard, f"w{shard}", held, detail="test"))
+            else:
+                engines.append(EngineStatus(shard, f"w{shard}", EngineHealth.SERVING, held))
+        return FleetStatus.of(engines)
+
+    def _reconcile_communicator(self, absent_shards: frozenset[int], deadline: Deadline) -> None:
+        self.calls.append(f"reconcile:{sorted(absent_shards)}")
+        self.absent = absent_shards
+
+    def _close_open_transfers(self, deadline: Deadline) -> None:
+        self.calls.append("close_open")
+
+    def _live_shards(self) -> frozenset[int] | None:
+        return frozenset(self.fleet) - self.absent
+
+    def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
+        result = super()._sync_weights(version, deadline)
+        for shard in self._live_shards() or ():
+            self.fleet[shard] = version
+        return result
+
+
+def test_a_new_synchronizer_adopts_the_newest_version_the_fleet_serves() -> None:
+    sync = FleetSynchronizer({0: 4, 1: 4})
+    sync.init_communicator()
+    assert sync.version == 4
+    assert sync.sync_weights().version == 5
+    disagreeing = FleetSynchronizer({0: 2, 1: 3})
+    assert disagreeing.status().agreed_version is None
+    disagreeing.init_communicator()
+    assert disagreeing.version == 3
+
+
+def test_status_reports_each_engine_and_whether_they_agree() -> None:
+    sync = FleetSynchronizer({0: 1, 1: EngineHealth.CLOSED, 2: EngineHealth.UNREACHABLE})
+    status = sync.status()
+    assert status.serving() == {1: (0,)} and status.agreed_version == 1
+    assert status.shards(EngineHealth.CLOSED) == (1,)
+    assert status.shards(EngineHealth.UNREACHABLE) == (2,)
+    assert not status.consistent
+    assert "closed shards [1]" in status.describe()
+    with pytest.raises(ValueError, match="serving engine"):
+        EngineStatus(0, "w0", EngineHealth.CLOSED, version=3)
+
+
+def test_recover_drops_the_dead_reopens_the_closed_and_leaves_one_version() -> None:
+    sync = FleetSynchronizer({0: 2, 1: EngineHealth.CLOSED, 2: EngineHealth.UNREACHABLE, 3: 1})
+    sync.init_communicator()
+    report = sync.recover()
+    assert report.dropped_shards == (2,)
+    assert report.resync is not None and report.resync.version == 3
+    assert sync.calls[-3:] == ["reconcile:[2]", "close_open", "sync:3"]
+    live = [e for e in report.after.engines if e.shard != 2]
+    assert {e.version for e in live} == {3} and sync.version == 3
+
+
+def test_recover_of_a_healthy_fleet_moves_nothing() -> None:
+    sync = FleetSynchronizer({0: 0, 1: 0})
+    sync.sync_weights()
+    report = sync.recover()
+    assert report.resync is None and report.dropped_shards == ()
+    assert sync.calls == ["init", "sync:1", "reconcile:[]", "close_open"]
+
+
+def test_rows_without_a_fleet_status_say_so() -> None:
+    with pytest.raises(NotImplementedError, match="cannot report"):
+        RecordingSynchronizer().status()
+
+
+class StagingSynchronizer(FleetSynchronizer):
+    """An in-test row that stages: versions held beside the served ones until a commit."""
+
+    supports_staging = True
+
+    def __init__(self, fleet: dict[int, int | EngineHealth]) -> None:
+        super().__init__(fleet)
+        self.beside: dict[int, int] = {}
+
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        self.calls.append(f"stage:{version}")
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.beside = dict.fromkeys(self.fleet, version)
+        result = RefitResult(version, {}, 0.0, 1, 1)
+        return StagedRefit(version, f"s{version}", result)
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        self.calls.append(f"commit:{staged.version}")
+        self.fleet.update(self.beside)
+        self.beside = {}
+        return staged.result
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        self.calls.append(f"abort:{staged.version}")
+        self.beside = {}
+
+
+def test_two_phases_serve_nothing_new_until_the_commit() -> None:
+    sync = StagingSynchronizer({0: 0, 1: 0})
+    staged = sync.stage_weights()
+    assert staged.version == 1 and sync.staged is staged
+    assert sync.status().serving() == {0: (0, 1)} and sync.version == 0
+    with pytest.raises(RefitError, match="version 1 is staged"):
+        sync.sync_weights()
+    with pytest.raises(RefitError, match="version 1 is staged"):
+        sync.stage_weights()
+    assert sync.commit_weights(staged).version == 1
+    assert sync.version == 1 and sync.status().agreed_version == 1 and sync.staged is None
+    with pytest.raises(RefitError, match="not the pending staging"):
+        sync.commit_weights(staged)
+
+
+def test_an_aborted_staging_changes_nothing_and_frees_the_next_refit() -> None:
+    sync = StagingSynchronizer({0: 0})
+    staged = sync.stage_weights(version=5)
+    sync.abort_weights(staged)
+    assert sync.version == 0 and sync.status().agreed_version == 0 and sync.staged is None
+    assert sync.stage_weights().version == 1
+    sync.fail_with = RefitError("relay refused")
+    sync.abort_weights(sync.staged)  # type: ignore[arg-type]
+    with pytest.raises(RefitError, match="relay refused"):
+        sync.stage_weights()
+    assert sync.staged is None and sync.version == 0
+
+
+def test_a_row_that_cannot_stage_says_so() -> None:
+    with pytest.raises(NotImplementedError, match="RecordingSynchronizer cannot stage"):
+        RecordingSynchronizer().stage_weights()

@@ -50,6 +50,7 @@ def test_world_size_and_rank_offsets() -> None:
         (WORKERS, {"control_timeout_s": 0.0}, "control_timeout_s"),
         (WORKERS, {"control_timeout_s": float("inf")}, "control_timeout_s"),
         (WORKERS, {"control_timeout_s": float("nan")}, "control_timeout_s"),
+        (WORKERS, {"device": "tpu"}, "device must be"),
     ],
 )
 def test_construction_is_validated(
@@ -87,12 +88,9 @@ def test_prepare_builds_vllm_update_info() -> None:
         "names": ["model.embed_tokens.weight", "model.norm.weight"],
         "dtype_names": ["bfloat16", "float32"],
         "shapes": [[256, 64], [64]],
-        "packed": True,
-        "packed_buffer_size_bytes": 1 << 30,
-        "packed_num_buffers": 2,
     }
     with pytest.raises(TypeError):
-        ch.update_info["packed"] = False  # type: ignore[index]
+        ch.update_info["names"] = []  # type: ignore[index]
     with pytest.raises(ValueError, match="empty"):
         ch.prepare({})
 

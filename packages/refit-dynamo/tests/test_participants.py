@@ -11,7 +11,8 @@ from refit_dynamo import DynamoRefitChannel, DynamoWorkerEndpoint, FleetChangedE
 from refit_dynamo.participants import dynamo_shards
 from refit_lab.ray_cluster import LocalCluster
 from refit_nccl import CollectiveEngineRole as Engine
-from refit_nccl.backend import GroupSpec, JoinRequest, TransferPlan
+from refit_nccl import DeviceMismatchError
+from refit_nccl.backend import DeviceReport, GroupSpec, JoinRequest, TransferPlan
 
 WORKERS = [DynamoWorkerEndpoint(f"w{i}", f"http://127.0.0.1:{9100 + i}") for i in range(2)]
 WAIT_S = 10.0
@@ -113,3 +114,24 @@ def test_the_row_asks_train_cluster_for_a_rendezvous_only() -> None:
         create_weight_synchronizer(Policy(), channel(), "dynamo", False)
     with pytest.raises(ValueError, match="dynamo.non-colocated.collective takes no options"):
         build(channel(), options=object())
+
+
+def test_workers_report_the_channels_device() -> None:
+    cuda_ranks = dynamo_shards(channel())[0]
+    assert [p.call(Engine.refit_device).result(WAIT_S) for p in cuda_ranks] == [
+        DeviceReport.only("cuda")
+    ] * 2
+    cpu = DynamoRefitChannel(WORKERS, engine_world_size=1, control_timeout_s=5.0, device="cpu")
+    assert dynamo_shards(cpu)[1][0].call(Engine.refit_device).result(WAIT_S) == DeviceReport.only(
+        "cpu"
+    )
+
+
+def test_cuda_workers_and_a_cpu_trainer_are_refused_before_any_admin_call() -> None:
+    """The workers' URLs answer nothing: the refusal comes from the device reports alone."""
+    synchronizer = build(channel(), refit_timeout_s=None)
+    try:
+        with pytest.raises(DeviceMismatchError, match=r"on cpu: trainer 0; on cuda: w0, w0/rank1"):
+            synchronizer.init_communicator()  # type: ignore[attr-defined]
+    finally:
+        synchronizer.shutdown()  # type: ignore[attr-defined]

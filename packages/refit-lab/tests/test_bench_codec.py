@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from refit_lab.bench import codec
+from refit_lab.bench import codec, codec_gpu
+from refit_lab.bench.deltas import ModelShape
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
 from refit_lab.bench.references import (
     nemo_apply,
@@ -26,6 +27,13 @@ SUMMARY_KEYS = {
     "encode_fraction_of_memcpy",
     "apply_fraction_of_memcpy",
     "roundtrip_bitexact",
+}
+RATIOS_WITH_REFERENCES = {
+    "encode_speedup_vs_xor_zstd",
+    "encode_speedup_vs_nemo_recipe",
+    "encode_fraction_of_memcpy",
+    "apply_fraction_of_memcpy",
+    "encode_speedup_vs_numpy_naive",
 }
 
 
@@ -98,4 +106,26 @@ def test_tiny_run_reports_every_case_and_the_summary() -> None:
     for row in report.results:
         if row["method"] != "memcpy":
             assert isinstance(row["wire_bytes"], int) and row["wire_bytes"] > 0
+            assert isinstance(row["memcpy_gbps"], float) and row["memcpy_gbps"] > 0
+    for key in RATIOS_WITH_REFERENCES:
+        assert report.summary[f"{key}_reference_gbps"] > 0
+    report.to_json()
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 65 << 20, 8 << 30])
+def test_a_model_of_a_size_holds_at_least_that_many_bytes(nbytes: int) -> None:
+    model = ModelShape.of_bytes(nbytes)
+    assert nbytes <= model.nbytes <= nbytes + ModelShape.of_bytes(1).nbytes + nbytes // 4
+
+
+def test_gpu_bench_logic_on_cpu_tensors() -> None:
+    """The GPU bench's cases, checks and summary, run on CPU tensors (the device code path)."""
+    ctx = BenchContext(quick=True, threads=2, size_bytes=1 << 20)
+    report = codec_gpu.measure_gpu(ctx, repeats=1, device="cpu")
+    cases = {row["case"] for row in report.results}
+    assert cases == {"d2d_copy", *codec_gpu.ENCODERS, "refit_gpu_diff", "torch_ne_nonzero"}
+    assert report.summary["bitexact"] is True
+    assert report.summary["state_bytes"] >= 1 << 20
+    assert 0 < report.summary["to_host_fraction"] < 0.1
+    assert report.summary["gpu_encode_fraction_of_d2d_copy_reference_gbps"] > 0
     report.to_json()

@@ -21,6 +21,7 @@ from refit_lab.bench.harness import (
     BENCHES,
     BenchContext,
     BenchReport,
+    PairedRatio,
     TimingStats,
     format_table,
     gbps,
@@ -225,3 +226,36 @@ def test_cli_all_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         _parse(["bench", "nope"])
     with pytest.raises(SystemExit):
         _parse(["bench", "baseline", "--threads", "0"])
+    args = _parse(["bench", "baseline", "--device", "cuda"])
+    assert args.handler(args, stream=io.StringIO()) == 2
+    args = _parse(["bench", "baseline", "--bytes", "1024"])
+    assert args.handler(args, stream=io.StringIO()) == 2
+
+
+def test_cli_passes_device_and_size_to_sized_benches(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[BenchContext] = []
+
+    def record(name: str) -> Callable[[BenchContext], BenchReport]:
+        def run(ctx: BenchContext) -> BenchReport:
+            seen.append(ctx)
+            return _stub_bench(name)(ctx)
+
+        return run
+
+    monkeypatch.setattr(cli, "load_bench", record)
+    args = _parse(["bench", "codec", "--device", "cuda", "--bytes", "8589934592", "--quick"])
+    assert args.handler(args, stream=io.StringIO()) == 0
+    assert (seen[0].device, seen[0].size_bytes, seen[0].quick) == ("cuda", 8 << 30, True)
+    with pytest.raises(SystemExit):
+        _parse(["bench", "codec", "--device", "tpu"])
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
+    # round 2 is slow for both sides (load): its ratio is still 0.5
+    pair = PairedRatio.of([2.0, 8.0, 2.2], [1.0, 4.0, 1.0], nbytes=10**9)
+    assert pair.ratio == pytest.approx(0.5)
+    assert pair.reference_gbps == pytest.approx(1.0)
+    assert pair.subject_gbps == pytest.approx(1 / 2.2)
+    assert pair.summary("x") == {"x": pair.ratio, "x_reference_gbps": pair.reference_gbps}
+    with pytest.raises(ValueError, match="paired"):
+        PairedRatio.of([1.0], [1.0, 2.0], nbytes=1)

@@ -30,5 +30,6 @@ def test_refits_into_a_child_engine_bitexact_and_reports_the_ratio() -> None:
     report = ipc.measure(BenchContext(quick=True, threads=1), TINY)
     assert report.summary["bitexact"] is True
     assert report.summary["ipc_fraction_of_memcpy"] > 0
+    assert report.summary["ipc_fraction_of_memcpy_reference_gbps"] > 0
     assert [r["case"] for r in report.results] == ["memcpy", "ipc"]
     assert report.to_json()["bench"] == "ipc"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from refit_lab.reference_engine import (
     checkpoint_tensor_specs,
     random_checkpoint,
 )
+from refit_lab.serving_gate import EngineClosedError, GateState
 
 CONFIG = ReferenceModelConfig()
 PROMPTS = [[1, 2, 3, 4, 5, 6], [10, 20, 30, 40], [7, 7, 7, 7, 7, 7, 7, 7], [100, 101, 102, 103]]
@@ -329,3 +333,36 @@ def test_weight_version_is_monotonic_and_reported() -> None:
     output = engine.generate(PROMPTS[:1], 1)
     assert isinstance(output, GenerationOutput)
     assert output.weight_version == 3
+
+
+def test_refit_notifications_gate_generation() -> None:
+    engine = ReferenceEngine(ReferenceModelConfig(), seed=1)
+    prompts = [[1, 2, 3]]
+    before = engine.generate(prompts, 3).tokens
+    engine.on_refit_begin(1)
+    assert engine.serving_state is GateState.PAUSED
+    with pytest.raises(EngineClosedError, match="paused"):
+        engine.generate(prompts, 3)
+    engine.on_refit_abort(1, weights_changed=False)
+    assert engine.generate(prompts, 3).tokens == before
+    engine.on_refit_begin(1)
+    engine.on_refit_abort(1, weights_changed=True)
+    with pytest.raises(EngineClosedError, match="closed: the refit to version 1 failed"):
+        engine.generate(prompts, 3)
+    engine.on_refit_commit(2)
+    assert engine.generate(prompts, 3).tokens == before
+
+
+def test_a_held_request_is_served_once_the_refit_commits() -> None:
+    engine = ReferenceEngine(ReferenceModelConfig(), seed=1)
+    engine.on_refit_begin(1)
+    results: list[list[list[int]]] = []
+    held = threading.Thread(
+        target=lambda: results.append(engine.generate([[4, 5]], 2, wait_s=30).tokens)
+    )
+    held.start()
+    time.sleep(0.2)
+    assert not results, "a request was answered while the refit was writing"
+    engine.on_refit_commit(1)
+    held.join(10)
+    assert results and len(results[0][0]) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -91,7 +92,10 @@ def connect(
 ) -> AbortableProcessGroup:
     """Join a group on 127.0.0.1 (with NCCL, on GPU ``rank``); in a child process where
     ``params["child_ranks"]`` names this rank; ``params["join_timeout_s"]`` overrides
-    ``join_timeout_s``."""
+    ``join_timeout_s``; ``params["nccl_env"]`` is set in the environment first (``{rank}``
+    in a value is this rank)."""
+    for key, value in (params or {}).get("nccl_env", {}).items():
+        os.environ[key] = value.format(rank=rank)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     spec = GroupSpec("127.0.0.1", port, rank, world, backend, name)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
+import torch
 
 from refit_core.backend import CollectiveSenderSpec
 from refit_lab.conformance import EngineWorkerProbes
@@ -13,6 +15,17 @@ from refit_lab.digest import state_digest
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl.endpoint import EngineEndpoint, TrainerEndpoint
+
+
+class SlowLoadingEngine(ReferenceEngine):
+    """A reference engine whose every ``load_weights`` call takes ``load_delay_s`` longer (a
+    refit then lasts long enough to kill a worker in the middle of it)."""
+
+    load_delay_s = 0.0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        time.sleep(self.load_delay_s)
+        return super().load_weights(weights)
 
 
 class EngineWorker(EngineEndpoint, EngineWorkerProbes):
@@ -23,7 +36,13 @@ class EngineWorker(EngineEndpoint, EngineWorkerProbes):
         self, config: ReferenceModelConfig, geometry: CollectiveSenderSpec, seed: int
     ) -> None:
         self._config = config
-        super().__init__(lambda: ReferenceEngine(config, seed=seed), geometry)
+        super().__init__(lambda: SlowLoadingEngine(config, seed=seed), geometry)
+
+    def set_load_delay(self, seconds: float) -> None:
+        """Make every bucket's load take ``seconds`` longer."""
+        engine = self.engine
+        assert isinstance(engine, SlowLoadingEngine)
+        engine.load_delay_s = seconds
 
     def reset(self, seed: int, geometry: CollectiveSenderSpec | None = None) -> None:
         self.refit_abort("reset")

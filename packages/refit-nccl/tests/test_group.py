@@ -6,12 +6,16 @@ abort) run in ``test_collectives.py``'s shared worker processes.
 
 from __future__ import annotations
 
+import importlib.util
+import socket
+
 import pytest
 import torch
 
-from refit_core import RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core import BackendNotInstalledError, RefitAbortedError, RefitError, RefitTimeoutError
 from refit_core.backend import Deadline
 from refit_lab.ray_cluster import free_port
+from refit_nccl.backends import traits_for, traits_of
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.rendezvous import convention_of
 
@@ -83,15 +87,36 @@ def test_spec_validation() -> None:
 
 
 def test_rendezvous_conventions() -> None:
-    refit, vllm = convention_of("refit"), convention_of("vllm")
-    assert refit.store_prefix("g", "127.0.0.1", 1234) == "g"
-    assert vllm.store_prefix("g", "127.0.0.1", 1234) == "tcp://127.0.0.1:1234"
-    assert vllm.store_prefix("g", "::1", 1234) == "tcp://[::1]:1234"
+    refit, vllm, sglang = convention_of("refit"), convention_of("vllm"), convention_of("sglang")
+    assert refit.store_prefix("g", "127.0.0.1", 1234, "gloo") == "g"
+    assert vllm.store_prefix("g", "127.0.0.1", 1234, "gloo") == "tcp://127.0.0.1:1234"
+    assert vllm.store_prefix("g", "::1", 1234, "gloo") == "tcp://[::1]:1234"
+    assert sglang.store_prefix("g", "127.0.0.1", 1234, "gloo") == "g/g//cpu/"
+    assert sglang.store_prefix("g", "127.0.0.1", 1234, "nccl") == "g/g//cuda/"
     assert refit.expected_warm_up(3) == 3.0 and vllm.expected_warm_up(3) == 0.0
+    assert sglang.warm_up_value is None
     with pytest.raises(ValueError, match="unknown rendezvous"):
         GroupSpec("127.0.0.1", 1234, 0, 2, rendezvous="mpi")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not built"):
-        GroupSpec("127.0.0.1", 1234, 0, 2, "nccl", rendezvous="vllm")
+    with pytest.raises(ValueError, match="known backend"):
+        GroupSpec("127.0.0.1", 1234, 0, 2, None, rendezvous="vllm")
+
+
+def test_nccl_on_vllms_rendezvous_is_vllms_own_communicator() -> None:
+    traits = traits_for("nccl", "vllm")
+    assert traits.raw_store and traits.warms_up_itself and traits.abort_releases
+    assert traits_for("nccl", "refit") is traits_of("nccl") and not traits_of("nccl").raw_store
+    assert traits_for("gloo", "vllm") is traits_of("gloo")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_nccl_group_without_vllm_is_refused_before_the_rendezvous() -> None:
+    port = free_port()
+    group = AbortableProcessGroup(GroupSpec("127.0.0.1", port, 0, 2, "nccl", rendezvous="vllm"))
+    with pytest.raises(BackendNotInstalledError, match="needs vLLM on the trainer") as caught:
+        group.connect(Deadline.after(5))
+    assert caught.value.install_hint.startswith("pip install vllm")
+    with socket.socket() as probe:  # no store was ever opened on the port
+        probe.bind(("127.0.0.1", port))
 
 
 @pytest.mark.timeout(30)

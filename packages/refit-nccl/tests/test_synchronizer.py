@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from refit_core import (
+    EngineHealth,
+    EngineState,
     GeometryMismatchError,
+    Recovery,
     RefitAbortedError,
+    RefitError,
     RefitTimeoutError,
     create_weight_synchronizer,
 )
@@ -309,3 +314,85 @@ def test_trainer_ranks_as_ray_actors_through_the_factory(fleet: Any) -> None:
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
+    give_up = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < give_up, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
+    fleet: Any,
+) -> None:
+    """With a 30 s deadline, SIGKILL of an engine worker mid-transfer fails the refit within
+    a second (not at the deadline), the survivor is closed (it loaded part of the refit and
+    generates nothing), the error says so per engine, and ``recover()`` brings the fleet to
+    one version: first without the dead shard, then with its replacement."""
+    import ray
+
+    fleet.reset(seed=800)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 7), lr=1e-2)
+    synchronizer = make_synchronizer(trainer, fleet, timeout_s=30.0)
+    victim_pid: int = fleet.call("pid")[1]
+    survivor, victim = fleet.workers[0], fleet.workers[1]
+    try:
+        assert synchronizer.sync_weights().version == 1
+        fleet.call("set_load_delay", 0.1)
+        trainer.step()
+        outcome: dict[str, Any] = {}
+
+        def refit() -> None:
+            try:
+                synchronizer.sync_weights()
+            except RefitError as exc:
+                outcome["error"], outcome["at"] = exc, time.monotonic()
+
+        thread = threading.Thread(target=refit)
+        thread.start()
+        wait_for(
+            lambda: ray.get(fleet.workers[1].refit_status.remote(), timeout=30).closed,
+            "the victim to start loading",
+        )
+        killed = time.monotonic()
+        kill(victim_pid)
+        thread.join(40)
+        assert "error" in outcome, "the refit did not fail"
+        latency = outcome["at"] - killed
+        assert latency < 1.0, f"the refit failed {latency:.2f} s after the death (deadline 30 s)"
+        error: RefitError = outcome["error"]
+        assert str(error).startswith("refit to version 2 failed on shard 1 worker 0: ")
+        assert error.recovery is Recovery.RECOVER and 1 in error.failed_shards
+        states = error.states()
+        assert states["shard 1 worker 0"] is EngineState.UNKNOWN
+        assert states["shard 0 worker 0"] is EngineState.CLOSED
+        with pytest.raises(ray.exceptions.RayTaskError, match="EngineClosedError"):
+            ray.get(survivor.generate.remote(PROMPTS, 3), timeout=60)
+        status = synchronizer.status()
+        assert status.shards(EngineHealth.UNREACHABLE) == (1,)
+        assert status.shards(EngineHealth.CLOSED) == (0,)
+
+        ray.get(survivor.set_load_delay.remote(0.0), timeout=30)
+        report = synchronizer.recover()
+        assert report.dropped_shards == (1,)
+        assert report.resync is not None and report.resync.version == 2
+        expected = state_digest(trainer.engine_state().items())
+        assert ray.get(survivor.state_digests.remote(), timeout=60) == expected
+        expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
+        assert ray.get(survivor.generate.remote(PROMPTS, 5), timeout=60) == expected_tokens
+
+        fleet.restart(1, seed=900)
+        rejoined = synchronizer.recover()
+        assert rejoined.dropped_shards == ()
+        assert rejoined.resync is not None and rejoined.after.consistent
+        assert rejoined.after.agreed_version == synchronizer.version == 3
+        assert digests_match(fleet, trainer) == [True, True]
+    finally:
+        synchronizer.shutdown()
+        if fleet.workers[0] is survivor:
+            ray.get(survivor.set_load_delay.remote(0.0), timeout=30)
+        kill(victim_pid)
+        if fleet.workers[1] is victim:  # failed before the restart: leave a whole fleet behind
+            fleet.restart(1, seed=900)

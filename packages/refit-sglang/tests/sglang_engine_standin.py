@@ -112,7 +112,7 @@ class StandInEngine:
     its loop."""
 
     def __init__(self, server: StandInSGLang) -> None:
-        self.server_args = SimpleNamespace(tp_size=server.tp_size)
+        self.server_args = SimpleNamespace(tp_size=server.tp_size, device="cpu")
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager: StandInTokenizerManager | None = StandInTokenizerManager(
             server, self.loop

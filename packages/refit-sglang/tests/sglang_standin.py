@@ -138,6 +138,7 @@ class StandInSGLang:
                     backend,  # type: ignore[arg-type]
                     group_name,
                     self.collective_timeout_s,
+                    rendezvous="sglang",  # the keys SGLang's init_custom_process_group uses
                 )
             )
             for tp_rank in range(self.tp_size)
@@ -199,7 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/get_server_info":
-            self._reply(200, {"tp_size": self.server.engine.tp_size})
+            self._reply(200, {"tp_size": self.server.engine.tp_size, "device": "cpu"})
         else:
             self._reply(404, {"message": f"no route {self.path}"})
 

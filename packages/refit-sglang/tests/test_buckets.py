@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import gc
+import os
 import pickle
 import subprocess
 import sys
@@ -67,20 +69,27 @@ def test_distributed_plan_digest_follows_geometry() -> None:
     assert plan.digest != DistributedPlan.build(state, sglang_geometry(2 << 20)).digest
 
 
+def _segments() -> set[Path]:
+    """This process's shared-memory segments (torch's file-system strategy names them)."""
+    return set(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
+
+
 def test_shared_buffers_release_their_memory() -> None:
-    before = set(Path("/dev/shm").glob("refit-sglang-*"))
+    before = _segments()
     buffers = SharedBuffers()
     ((bucket, _),) = iter_buckets(MIXED[:1], 1 << 20, buffers.allocate)
-    payload = buffers.serialize(bucket)
-    received = pickle.loads(base64.b64decode(payload))
-    assert torch.equal(received["flattened_tensor"], bucket.flattened_tensor)
+    payloads = buffers.serialize(bucket, copies=2)
+    assert len(payloads) == 2 and len(_segments() - before) == 1
+    for payload in payloads:  # each receiver unpickles its own reference
+        received = pickle.loads(base64.b64decode(payload))
+        assert torch.equal(received["flattened_tensor"], bucket.flattened_tensor)
+        assert [m.name for m in received["metadata"]] == [MIXED[0][0]]
     assert buffers.live_bytes == bucket.nbytes
-    assert len(set(Path("/dev/shm").glob("refit-sglang-*")) - before) == 1
     buffers.release(bucket)
     assert buffers.live_bytes == 0 and buffers.peak_bytes == bucket.nbytes
-    assert set(Path("/dev/shm").glob("refit-sglang-*")) <= before
-    with pytest.raises(FileNotFoundError):
-        pickle.loads(base64.b64decode(payload))  # a late receiver never recreates the buffer
+    del bucket, received
+    gc.collect()
+    assert _segments() <= before, "the segment outlived every reference"
 
 
 _RECEIVER = """
@@ -100,7 +109,7 @@ def test_another_process_maps_the_buckets() -> None:
     buckets = [bucket for bucket, _ in iter_buckets(MIXED, 1 << 20, buffers.allocate)]
     done = subprocess.run(
         [sys.executable, "-c", _RECEIVER],
-        input="\n".join(buffers.serialize(bucket) for bucket in buckets) + "\n",
+        input="\n".join(buffers.serialize(bucket)[0] for bucket in buckets) + "\n",
         capture_output=True,
         text=True,
         timeout=100,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
+from refit_core import EngineState, RefitTimeoutError, WorkerError, create_weight_synchronizer
 from refit_lab.conformance import RefitDeployment, SynchronizerConformance, check_bitwise_delivery
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
@@ -83,7 +84,8 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[StandInDeployment]:
 
 
 def _shared_files() -> set[Path]:
-    return set(Path("/dev/shm").glob("refit-sglang-*"))
+    """This process's shared-memory segments (torch's file-system strategy names them)."""
+    return set(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
 
 
 def test_lifecycle_around_every_refit(deployment: StandInDeployment) -> None:
@@ -118,15 +120,55 @@ def test_bucket_memory_released(deployment: StandInDeployment) -> None:
     assert _shared_files() <= before
 
 
-def test_generation_continues_after_failed_refit(deployment: StandInDeployment) -> None:
+def _refuse_loads(engine: StandInSGLang) -> Callable[[], None]:
+    """Make every rank of ``engine`` fail to load; returns what undoes it."""
+    originals = [rank.load_weights for rank in engine.ranks]
+
     def refuse(weights: object) -> set[str]:
         raise RuntimeError("out of memory")
 
-    deployment.engines[1].ranks[0].load_weights = refuse  # type: ignore[method-assign]
-    with pytest.raises(WorkerError, match="update_weights_from_tensor"):
+    for rank in engine.ranks:
+        rank.load_weights = refuse  # type: ignore[method-assign]
+
+    def undo() -> None:
+        for rank, original in zip(engine.ranks, originals, strict=True):
+            rank.load_weights = original  # type: ignore[method-assign]
+
+    return undo
+
+
+def test_a_failed_refit_reports_each_engine_and_closes_the_mixed(
+    deployment: StandInDeployment,
+) -> None:
+    """Engine 0 takes bucket 0, engine 1 refuses it: both may hold mixed weights, so both
+    stay paused (closed) and are reported so; the next complete refit reopens them."""
+    undo = _refuse_loads(deployment.engines[1])
+    with pytest.raises(WorkerError, match="update_weights_from_tensor") as caught:
         deployment.synchronizer.sync_weights()
-    assert not any(engine.paused for engine in deployment.engines)
+    labels = [c.label for c in deployment.synchronizer.clients]  # type: ignore[attr-defined]
+    assert caught.value.states() == {labels[0]: EngineState.CLOSED, labels[1]: EngineState.CLOSED}
+    assert caught.value.failed_shards == (0, 1)
+    assert "out of memory" in (caught.value.engines[1].reason or "")
+    assert all(engine.paused for engine in deployment.engines)
     assert deployment.synchronizer.source.buffers.live_bytes == 0  # type: ignore[attr-defined]
+    undo()
+    deployment.synchronizer.sync_weights()
+    assert not any(engine.paused for engine in deployment.engines)
+    check_bitwise_delivery(deployment)
+
+
+def test_an_engine_that_took_nothing_keeps_serving_its_version(
+    deployment: StandInDeployment,
+) -> None:
+    """Engine 0 refuses the first bucket: engine 1 took nothing, serves version 0 and
+    continues generation; engine 0 is closed."""
+    _refuse_loads(deployment.engines[0])
+    with pytest.raises(WorkerError) as caught:
+        deployment.synchronizer.sync_weights()
+    (engine0, engine1) = caught.value.engines
+    assert (engine0.state, engine0.shard) == (EngineState.CLOSED, 0)
+    assert (engine1.state, engine1.version, engine1.reason) == (EngineState.OLD, 0, None)
+    assert deployment.engines[0].paused and not deployment.engines[1].paused
 
 
 def test_deadline_names_the_wedged_engine() -> None:
@@ -139,8 +181,10 @@ def test_deadline_names_the_wedged_engine() -> None:
         synchronizer = created.synchronizer
         assert isinstance(synchronizer, ColocatedSGLangSynchronizer)
         assert caught.value.wedged_workers == (synchronizer.clients[1].label,)
-        survivor = created.engines[0]
-        assert not survivor.paused and survivor.calls[-1][0] == "continue_generation"
+        assert caught.value.states()[synchronizer.clients[1].label] == EngineState.UNKNOWN
+        # engine 0 took the first bucket before engine 1 froze on it: mixed, kept paused
+        assert caught.value.states()[synchronizer.clients[0].label] == EngineState.CLOSED
+        assert created.engines[0].paused
     finally:
         created.close()
 

@@ -48,7 +48,7 @@ def test_every_route_is_a_tokenizer_manager_coroutine(engine: StandInEngine) -> 
         ("flush_cache", {}),
         ("continue_generation", {}),
     ]
-    assert client.tp_size == 2
+    assert client.tp_size == 2 and client.device == "cpu"
 
 
 def test_a_struct_without_weight_version_is_refused(engine: StandInEngine) -> None:

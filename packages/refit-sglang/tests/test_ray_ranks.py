@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from refit_core import RefitTimeoutError, WorkerError  # noqa: E402
+from refit_core import EngineState, RefitTimeoutError, WorkerError  # noqa: E402
 from refit_lab.conformance import (  # noqa: E402
     check_bitwise_delivery,
     check_generation_matches_trainer,
@@ -111,6 +111,11 @@ def test_lost_rank_fails_by_the_deadline(ray_session: None, kind: str) -> None:
             deployment.synchronizer.sync_weights()
         assert time.monotonic() - started < 3.0 + 2.0
         assert "trainer rank 1" in str(caught.value)
-        for engine in deployment.engines:
-            assert not engine.paused and engine.calls[-1][0] == "continue_generation"
-            assert engine.weight_version is None
+        states = caught.value.states()
+        assert set(states.values()) <= {EngineState.OLD, EngineState.CLOSED}
+        clients = deployment.synchronizer.clients  # type: ignore[attr-defined]
+        for client, engine in zip(clients, deployment.engines, strict=True):
+            closed = states[client.label] == EngineState.CLOSED  # took part of the weights
+            assert engine.paused == closed and engine.weight_version is None
+            if not closed:
+                assert engine.calls[-1][0] == "continue_generation"

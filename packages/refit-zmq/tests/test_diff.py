@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refit_zmq.codec.diff import diff_range
-from refit_zmq.codec.dtypes import flat_bits, unsigned_numpy_dtype
+from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -19,35 +19,32 @@ def _reference(base: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return indices, new[indices]
 
 
+def flat_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bits as a flat unsigned array sharing its memory."""
+    array: np.ndarray = int_view(tensor).reshape(-1).numpy()
+    return array.view(unsigned_numpy_dtype(tensor.element_size()))
+
+
 def _run(
-    base: np.ndarray, new: np.ndarray, *, word: int, start: int, chunk_words: int
+    base: np.ndarray, new: np.ndarray, *, word: int, start: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """diff_range over ``base``/``new`` (element arrays) read as ``word``-byte words."""
     words = unsigned_numpy_dtype(word)
-    parts = diff_range(
-        base.view(words),
-        new.view(words),
-        element=base.dtype,
-        start=start,
-        chunk_words=chunk_words,
-    )
-    if not parts:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=base.dtype)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return diff_range(base.view(words), new.view(words), element=base.dtype, start=start)
 
 
 @given(
     element=st.sampled_from(WIDTHS),
     word=st.sampled_from(WIDTHS),
-    words=st.integers(0, 300),
+    words=st.integers(0, 300) | st.integers(2040, 4200),
     density=st.sampled_from((0.0, 0.01, 0.3, 1.0)),
-    chunk_words=st.integers(1, 64),
     start=st.integers(0, 1000),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_kernel_finds_exactly_the_changed_elements(
-    element: int, word: int, words: int, density: float, chunk_words: int, start: int, seed: int
+    element: int, word: int, words: int, density: float, start: int, seed: int
 ) -> None:
+    """Ranges within one block and across blocks (2048 words), output growth included."""
     word = max(word, element)
     rng = np.random.default_rng(seed)
     dtype = unsigned_numpy_dtype(element)
@@ -56,17 +53,18 @@ def test_kernel_finds_exactly_the_changed_elements(
     new = base.copy()
     hit = rng.random(n) < density
     new[hit] ^= rng.integers(1, np.iinfo(dtype).max, int(hit.sum()), dtype=dtype, endpoint=True)
-    indices, values = _run(base, new, word=word, start=start, chunk_words=chunk_words)
+    indices, values = _run(base, new, word=word, start=start)
     want_indices, want_values = _reference(base, new)
     assert np.array_equal(indices, want_indices + start * (word // element))
     assert np.array_equal(values, want_values)
 
 
-def test_last_partial_cache_line_is_compared() -> None:
-    base = np.zeros(8 * 8 + 3, dtype=np.uint64)
+@pytest.mark.parametrize("words", [8 * 8 + 3, 2048 + 8 * 8 + 3])
+def test_last_partial_cache_line_is_compared(words: int) -> None:
+    base = np.zeros(words, dtype=np.uint64)
     new = base.copy()
     new[-1] = 1 << 63
-    indices, values = _run(base, new, word=8, start=0, chunk_words=1 << 10)
+    indices, values = _run(base, new, word=8, start=0)
     assert indices.tolist() == [base.size - 1]
     assert values.tolist() == [1 << 63]
 
@@ -83,7 +81,7 @@ def test_bit_patterns_that_compare_equal_as_values_are_changes(dtype: torch.dtyp
     new = torch.tensor([-0.0, float("nan"), 1.0, 2.0, 0.0, 0.0, 0.0, 0.0], dtype=dtype)
     new_bits = flat_bits(new)
     new_bits[1] ^= new_bits.dtype.type(1)  # another NaN payload: NaN as values, other bits
-    indices, values = _run(flat_bits(base), new_bits, word=8, start=0, chunk_words=1)
+    indices, values = _run(flat_bits(base), new_bits, word=8, start=0)
     assert indices.tolist() == [0, 1]
     assert np.array_equal(values, new_bits[:2])
 
@@ -96,6 +94,6 @@ def test_narrow_and_integer_elements_in_64_bit_words(dtype: torch.dtype) -> None
     changed = [0, 9, base.numel() - 1]
     flat_bits(new)[changed] ^= 1
     word = 8 if base.nbytes % 8 == 0 else dtype.itemsize
-    indices, values = _run(flat_bits(base), flat_bits(new), word=word, start=0, chunk_words=2)
+    indices, values = _run(flat_bits(base), flat_bits(new), word=word, start=0)
     assert indices.tolist() == changed
     assert np.array_equal(values, flat_bits(new)[changed])

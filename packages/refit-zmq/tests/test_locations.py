@@ -76,6 +76,12 @@ def test_sparse_scatter_is_gaps_and_dense_scatter_is_bitmap() -> None:
     assert plan_locations(dense, n, 2).encoding is Encoding.BITMAP
 
 
+def test_a_tie_between_gaps_and_bitmap_goes_to_gaps() -> None:
+    # 16 bf16 elements, 3 changed: GAPS 2 * 1 + 3 * 2 = 8 bytes, BITMAP 2 + 3 * 2 = 8 bytes
+    plan, _ = encode_locations(np.array([3, 4, 12]), 16, 2)
+    assert plan == LocationPlan(Encoding.GAPS, 3, 3, 1)
+
+
 def test_break_even_between_gaps_and_bitmap_follows_the_arithmetic() -> None:
     # uint16 gaps (one gap of 300 forces the width) cost 2 bytes per change, a bitmap n / 8
     # bytes: they break even at a density of 1/16.

@@ -8,6 +8,8 @@ backends are found through the ``refit.backends`` entry points and imported on f
 
 from importlib import metadata
 
+from refit_core.deadline import Deadline
+from refit_core.engine_hooks import RefitHooks
 from refit_core.errors import (
     AuthenticationError,
     BackendNotInstalledError,
@@ -26,7 +28,9 @@ from refit_core.errors import (
     WorkerError,
 )
 from refit_core.factory import create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
+from refit_core.staging import StagedRefit
+from refit_core.synchronizer import RecoveryReport, WeightSynchronizer
 from refit_core.types import (
     NamedTensor,
     RefitResult,
@@ -43,17 +47,24 @@ __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
+    "Deadline",
+    "EngineHealth",
     "EngineReport",
     "EngineState",
+    "EngineStatus",
+    "FleetStatus",
     "GeometryMismatchError",
     "NamedTensor",
     "ProtocolError",
     "Recovery",
+    "RecoveryReport",
     "RefitAbortedError",
     "RefitError",
+    "RefitHooks",
     "RefitResult",
     "RefitTimeoutError",
     "ShardInfo",
+    "StagedRefit",
     "StaleBaseError",
     "StateDictInfo",
     "SynchronizerClosedError",

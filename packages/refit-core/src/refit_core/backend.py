@@ -10,7 +10,8 @@ refit-core's README.
 
 from refit_core.checkpoint import checkpoint_specs
 from refit_core.deadline import Deadline
-from refit_core.errors import refit_error_type
+from refit_core.engine_hooks import notify
+from refit_core.errors import refit_error_type, with_engines
 from refit_core.facade import lazy_facade
 from refit_core.futures import InFlight, done, failed, in_thread, then
 from refit_core.participants import (
@@ -71,10 +72,12 @@ __all__ = [
     "lazy_facade",
     "materialize",
     "method_name",
+    "notify",
     "pack_buckets",
     "plan_info",
     "refit_error_type",
     "role_methods",
     "root_cause",
     "then",
+    "with_engines",
 ]

@@ -41,6 +41,7 @@ class _Listed:
     clusters: tuple[str, ...] | None = None
     options: str | None = None
     description: str = ""
+    on_failure: str | None = None
     install_hint: str | None = None
     error: str | None = None
 
@@ -64,6 +65,7 @@ def _listing() -> list[_Listed]:
             r.row.clusters_required,
             r.row.options,
             r.row.description,
+            r.row.on_failure or None,
         )
         for r in found.rows
     ]
@@ -101,6 +103,11 @@ def _write_backends(listed: Sequence[_Listed], out: TextIO) -> None:
     ]
     for line in align_columns([headers, *rows], rule=True):
         out.write(line + "\n")
+    notes = [item for item in listed if item.on_failure]
+    if notes:
+        out.write("\nafter a failed refit an engine serves:\n")
+        for item in notes:
+            out.write(f"  {item.key}: {item.on_failure}\n")
 
 
 def _backends(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ __all__ = [
     "VerificationError",
     "WorkerError",
     "refit_error_type",
+    "with_engines",
 ]
 
 
@@ -251,3 +252,25 @@ def refit_error_type(name: str) -> type[RefitError] | None:
     across an engine's RPC), or None."""
     found = globals().get(name) if name in __all__ else None
     return found if isinstance(found, type) and issubclass(found, RefitError) else None
+
+
+def with_engines(error: RefitError, reports: Sequence[EngineReport]) -> RefitError:
+    """``error``, saying what each of ``reports``' engines serves now: added to ``engines``,
+    named in the message, and a closed engine making ``recover()`` (a complete refit) needed
+    where a plain retry was enough."""
+    notes = []
+    for report in reports:
+        if report.state is EngineState.CLOSED:
+            notes.append(
+                f"{report.worker} is closed: it holds every request until a complete refit"
+            )
+        elif report.state is EngineState.OLD:
+            notes.append(f"{report.worker} serves version {report.version} as before")
+        elif report.state is EngineState.UNKNOWN:
+            notes.append(f"{report.worker} did not answer")
+    if notes:
+        error.args = (f"{error}; {'; '.join(notes)}",)
+    error.engines = (*error.engines, *reports)
+    if any(r.state is EngineState.CLOSED for r in reports) and error.recovery is Recovery.RETRY:
+        error.recovery = Recovery.RECOVER
+    return error

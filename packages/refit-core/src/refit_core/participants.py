@@ -187,6 +187,12 @@ class Gathered:
         return not self.errors and not self.missing
 
 
+def _exception(future: Future[Any]) -> BaseException:
+    error = future.exception()
+    assert error is not None
+    return error
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The participant's own exception inside a transport wrapper (Ray's ``cause``)."""
     cause = getattr(error, "cause", None)
@@ -198,6 +204,8 @@ def gather(
     timeout_s: float | None,
     *,
     settle_at: float | None = None,
+    settle_s: float | None = None,
+    on_failure: Callable[[Participant[Any], BaseException], None] | None = None,
 ) -> Gathered:
     """Wait for ``calls`` and sort their outcomes.
 
@@ -207,21 +215,31 @@ def gather(
         settle_at: a ``time.monotonic()`` instant (the deadline plus the time participants
             need to release themselves): once it has passed and some call has failed, stop
             waiting for the rest; they are frozen or dead, and the refit has failed anyway.
+        settle_s: once a call has failed, wait at most this much longer for the rest.
+        on_failure: called once, with the first failed participant and its error, as soon
+            as that failure is seen (for example to abort the others' calls).
     """
     end = None if timeout_s is None else time.monotonic() + timeout_s
+    owner = {future: participant for participant, future in calls.items()}
     pending = set(calls.values())
-    failed = False
+    failed_at: float | None = None
     while pending:
         limit = end
-        if failed and settle_at is not None:
-            limit = settle_at if limit is None else min(limit, settle_at)
+        if failed_at is not None:
+            for settle in (settle_at, None if settle_s is None else failed_at + settle_s):
+                if settle is not None:
+                    limit = settle if limit is None else min(limit, settle)
         wait_s = None if limit is None else limit - time.monotonic()
         if wait_s is not None and wait_s <= 0:
             break
         done, pending = concurrent.futures.wait(
             pending, timeout=wait_s, return_when=concurrent.futures.FIRST_EXCEPTION
         )
-        failed = failed or any(f.exception() is not None for f in done)
+        first = next((f for f in done if f.exception() is not None), None)
+        if first is not None and failed_at is None:
+            failed_at = time.monotonic()
+            if on_failure is not None:
+                on_failure(owner[first], root_cause(_exception(first)))
     gathered = Gathered()
     for participant, future in calls.items():
         if not future.done():

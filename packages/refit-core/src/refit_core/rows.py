@@ -51,6 +51,8 @@ class BackendRow:
         train_cluster: the methods the row calls on ``train_cluster``; empty: not needed.
         inference_cluster: the same for ``inference_cluster``.
         can_stage: whether the row can stage a refit and commit it later (two-phase).
+        on_failure: what an engine serves after a refit of this row failed (exactly its
+            previous version, or nothing until a complete refit; never mixed weights).
     """
 
     backend: str
@@ -63,6 +65,7 @@ class BackendRow:
     train_cluster: tuple[str, ...] = ()
     inference_cluster: tuple[str, ...] = ()
     can_stage: bool = False
+    on_failure: str = ""
 
     def __post_init__(self) -> None:
         for field_name in ("backend", "transport"):

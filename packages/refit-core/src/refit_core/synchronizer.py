@@ -7,17 +7,38 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from refit_core.deadline import Deadline
 from refit_core.errors import RefitError, RefitTimeoutError, SynchronizerClosedError
+from refit_core.fleet import EngineHealth, FleetStatus
+from refit_core.staging import StagedRefit
 from refit_core.types import RefitResult, WeightVersion
 
-__all__ = ["WeightSynchronizer"]
+__all__ = ["RecoveryReport", "WeightSynchronizer"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What :meth:`WeightSynchronizer.recover` found and did.
+
+    Attributes:
+        before: the fleet as it answered first.
+        dropped_shards: shards left out of the communicator (they did not answer).
+        resync: the dense refit that brought the live engines to one version (None when
+            they already served one version, that of the synchronizer).
+        after: the fleet once recovered.
+    """
+
+    before: FleetStatus
+    dropped_shards: tuple[int, ...]
+    resync: RefitResult | None
+    after: FleetStatus
 
 
 class WeightSynchronizer(ABC):
@@ -29,10 +50,14 @@ class WeightSynchronizer(ABC):
     re-entrant: calls are serialized by an internal lock.
     """
 
+    supports_staging: ClassVar[bool] = False
+    """Whether the row implements the two phases (:meth:`stage_weights`, :meth:`commit_weights`)."""
+
     def __init__(self, *, refit_timeout_s: float | None = None) -> None:
         Deadline.after(refit_timeout_s)  # validates the value
         self.refit_timeout_s = refit_timeout_s
         self._version = WeightVersion(0)
+        self._staged: StagedRefit | None = None
         self._initialized = False
         self._closed = False
         self._lock = threading.RLock()
@@ -51,11 +76,13 @@ class WeightSynchronizer(ABC):
             if self._initialized:
                 return
             started = time.monotonic()
-            self._run_hook("init_communicator", lambda: self._init_communicator(self._deadline()))
+            deadline = self._deadline()
+            self._run_hook("init_communicator", lambda: self._init_communicator(deadline))
             self._initialized = True
             logger.info(
                 "%s: communicator ready in %.3f s", type(self).__name__, time.monotonic() - started
             )
+            self._adopt_fleet_version(deadline)
 
     def sync_weights(self, version: int | None = None) -> RefitResult:
         """Run one refit to ``version`` (default: the current version + 1).
@@ -67,6 +94,7 @@ class WeightSynchronizer(ABC):
         """
         with self._lock:
             self._require_open()
+            self._require_nothing_staged()
             target = self._version.next() if version is None else WeightVersion(version)
             self._version.require_advance_to(target)
             self.init_communicator()
@@ -91,6 +119,134 @@ class WeightSynchronizer(ABC):
                 result.dense_bytes,
             )
             return result
+
+    def stage_weights(self, version: int | None = None) -> StagedRefit:
+        """Move and verify ``version`` (default: the current version + 1) on every engine,
+        beside the version it serves, without changing what any engine serves.
+
+        Nothing is committed anywhere unless every engine staged it; a failure here leaves
+        every engine serving the old version, never paused.
+
+        Raises:
+            NotImplementedError: the row cannot stage (``supports_staging`` is False).
+            ValueError: ``version`` does not increase.
+            RefitError: a refit is already staged, or staging failed (nothing changed).
+        """
+        with self._lock:
+            self._require_open()
+            self._require_staging()
+            self._require_nothing_staged()
+            target = self._version.next() if version is None else WeightVersion(version)
+            self._version.require_advance_to(target)
+            self.init_communicator()
+            deadline = self._deadline()
+            logger.info("%s: staging version %d", type(self).__name__, target.value)
+            staged = self._run_hook(
+                f"staging version {target.value}",
+                lambda: self._stage_weights(target.value, deadline),
+            )
+            if staged.version != target.value:
+                raise RefitError(f"backend staged version {staged.version}, not {target.value}")
+            self._staged = staged
+            return staged
+
+    def commit_weights(self, staged: StagedRefit) -> RefitResult:
+        """Serve ``staged`` on every engine: each pauses at its next step boundary (requests
+        in flight are kept), applies the staged bytes, drops its prefix cache, sets the
+        version and resumes.
+
+        The point of no return: an engine that fails or dies here is closed (it generates
+        nothing) and named in the error, while the others serve the new version; the
+        synchronizer's version moves to ``staged.version`` either way, and the next refit
+        (or :meth:`recover`) resyncs or drops the failed engines.
+
+        Raises:
+            RefitError: ``staged`` is not the pending staging, or an engine failed to commit.
+        """
+        with self._lock:
+            self._require_open()
+            self._require_pending(staged)
+            self._staged = None
+            self._version = WeightVersion(staged.version)
+            deadline = self._deadline()
+            return self._run_hook(
+                f"commit of version {staged.version}",
+                lambda: self._commit_staged(staged, deadline),
+            )
+
+    def abort_weights(self, staged: StagedRefit) -> None:
+        """Drop ``staged`` on every engine; what they serve does not change.
+
+        Raises:
+            RefitError: ``staged`` is not the pending staging.
+        """
+        with self._lock:
+            self._require_open()
+            self._require_pending(staged)
+            self._staged = None
+            deadline = self._deadline()
+            self._run_hook(
+                f"abort of staged version {staged.version}",
+                lambda: self._abort_staged(staged, deadline),
+            )
+
+    @property
+    def staged(self) -> StagedRefit | None:
+        """The staged refit awaiting its commit or abort, if any."""
+        return self._staged
+
+    def status(self) -> FleetStatus:
+        """Every engine as it reports itself: health, the version it serves, anything staged.
+
+        Works before the first refit and while the communicator is broken (it asks each
+        engine directly, within ``refit_timeout_s``).
+
+        Raises:
+            NotImplementedError: the row cannot ask its engines.
+        """
+        with self._lock:
+            self._require_open()
+            deadline = self._deadline()
+            return self._run_hook("status", lambda: self._fleet_status(deadline))
+
+    def recover(self) -> RecoveryReport:
+        """Bring the fleet back to one version after any failure, as its error advised.
+
+        Asks every engine (:meth:`status`), rebuilds the communicator without the engines
+        that do not answer, finishes transfers a fault left open, and, when the live
+        engines are closed, disagree or serve another version than this synchronizer,
+        runs a dense refit of the trainer's current weights to a new version above every
+        version served. Each step has the refit's deadline.
+
+        Raises:
+            RefitError: a step failed (the fleet is then as :meth:`status` says).
+        """
+        with self._lock:
+            self._require_open()
+            deadline = self._deadline()
+            before = self._run_hook("status", lambda: self._fleet_status(deadline))
+            dropped = before.shards(EngineHealth.UNREACHABLE)
+            logger.info("%s: recovering from %s", type(self).__name__, before.describe())
+            self._run_hook(
+                "reconcile_communicator",
+                lambda: self._reconcile_communicator(frozenset(dropped), deadline),
+            )
+            self._initialized = True
+            self._run_hook("closing open transfers", lambda: self._close_open_transfers(deadline))
+            live = self._live(self._run_hook("status", lambda: self._fleet_status(deadline)))
+            resync: RefitResult | None = None
+            if not live.consistent or live.agreed_version != self.version:
+                newest = max(self.version, live.newest_version or 0)
+                logger.info(
+                    "%s: resyncing %s to version %d",
+                    type(self).__name__,
+                    live.describe(),
+                    newest + 1,
+                )
+                resync = self.sync_weights(newest + 1)
+            after = self._fleet_status(self._deadline())
+            logger.info("%s: recovered: %s", type(self).__name__, after.describe())
+            return RecoveryReport(before, dropped, resync, after)
 
     def is_stale(self) -> bool:
         """Whether the communicator must be rebuilt (``reconcile_communicator``) before a refit."""
@@ -150,6 +306,30 @@ class WeightSynchronizer(ABC):
                 f"{type(self).__name__} has no membership to reconcile (absent {sorted(absent_shards)})"
             )
 
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        """Move and verify ``version`` beside what every engine serves (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        """Switch every engine to ``staged`` (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        """Drop ``staged`` everywhere (rows that stage)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
+
+    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """Ask every engine of the fleet (absent shards included) how it is."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report its fleet's status")
+
+    def _close_open_transfers(self, deadline: Deadline) -> None:
+        """Finish every transfer a fault left open on an engine (rows without any: nothing)."""
+        return None
+
+    def _live_shards(self) -> frozenset[int] | None:
+        """The shards in the communicator now (None: every shard of the fleet)."""
+        return None
+
     @abstractmethod
     def _shutdown(self) -> None:
         """Release resources; called at most once."""
@@ -158,6 +338,54 @@ class WeightSynchronizer(ABC):
 
     def _deadline(self) -> Deadline:
         return Deadline.after(self.refit_timeout_s)
+
+    def _live(self, fleet: FleetStatus) -> FleetStatus:
+        """``fleet`` without the shards left out of the communicator."""
+        live = self._live_shards()
+        if live is None:
+            return fleet
+        return FleetStatus(tuple(e for e in fleet.engines if e.shard in live))
+
+    def _adopt_fleet_version(self, deadline: Deadline) -> None:
+        """Start from the newest version the engines serve (a restarted controller)."""
+        try:
+            fleet = self._fleet_status(deadline)
+        except NotImplementedError:
+            return
+        except RefitError as exc:
+            logger.warning("%s: could not ask the fleet its version: %s", type(self).__name__, exc)
+            return
+        newest = fleet.newest_version
+        if len(fleet.serving()) > 1:
+            logger.warning(
+                "%s: the engines disagree (%s); starting above the newest",
+                type(self).__name__,
+                fleet.describe(),
+            )
+        if newest is not None and newest > self._version.value:
+            logger.info("%s: the fleet serves version %d; adopting it", type(self).__name__, newest)
+            self._version = WeightVersion(newest)
+
+    def _require_staging(self) -> None:
+        if not self.supports_staging:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot stage a refit (no two-phase refit on this "
+                "row); use sync_weights()"
+            )
+
+    def _require_nothing_staged(self) -> None:
+        if self._staged is not None:
+            raise RefitError(
+                f"version {self._staged.version} is staged; commit_weights() or "
+                "abort_weights() it first"
+            )
+
+    def _require_pending(self, staged: StagedRefit) -> None:
+        if self._staged is None or self._staged.staging_id != staged.staging_id:
+            pending = "none" if self._staged is None else f"version {self._staged.version}"
+            raise RefitError(
+                f"staged version {staged.version} is not the pending staging ({pending})"
+            )
 
     def _require_open(self) -> None:
         if self._closed:

@@ -85,6 +85,16 @@ class AdminClient:
         if client is not None:
             client.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles as its settings: a copy opens connections of its own."""
+        return {"timeout_s": self.timeout_s, "max_connections": self._max_connections}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.timeout_s = state["timeout_s"]
+        self._max_connections = state["max_connections"]
+        self._lock = threading.Lock()
+        self._client = None
+
     def _session(self) -> httpx.Client:
         with self._lock:
             if self._client is None:

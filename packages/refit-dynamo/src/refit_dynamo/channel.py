@@ -31,6 +31,8 @@ from refit_dynamo.transactions import join_worker, update_worker
 if TYPE_CHECKING:
     import ray
 
+    from refit_nccl.backend import DeviceType
+
 __all__ = ["DynamoRefitChannel", "WorkerValidator"]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,10 @@ class DynamoRefitChannel:
             worker's receive, so it must cover one transfer).
         validate_workers: optional callable returning the fleet as discovery sees it now;
             :meth:`init_collective` refuses to start when it differs from ``workers``.
+        device: where the workers receive: ``"cuda"`` for vLLM's NCCL weight transfer (the
+            synchronizer row then hosts vLLM's own NCCL data plane, which needs vLLM on the
+            trainer), ``"cpu"`` for a gloo receiver. The workers' report in the row's choice
+            of backend.
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class DynamoRefitChannel:
         engine_world_size: int,
         control_timeout_s: float,
         validate_workers: WorkerValidator | None = None,
+        device: DeviceType = "cuda",
     ) -> None:
         self._workers = tuple(workers)
         if not self._workers:
@@ -73,6 +80,9 @@ class DynamoRefitChannel:
             raise ValueError(f"engine_world_size must be >= 1, got {engine_world_size}")
         if not math.isfinite(control_timeout_s) or control_timeout_s <= 0:
             raise ValueError(f"control_timeout_s must be > 0 and finite, got {control_timeout_s!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self._device: DeviceType = device
         self._engine_world_size = engine_world_size
         self._control_timeout_s = float(control_timeout_s)
         self._validate_workers = validate_workers
@@ -86,6 +96,11 @@ class DynamoRefitChannel:
     def workers(self) -> tuple[DynamoWorkerEndpoint, ...]:
         """The fleet, in rank order."""
         return self._workers
+
+    @property
+    def device(self) -> DeviceType:
+        """Where the workers receive (``cuda``: vLLM's NCCL data plane)."""
+        return self._device
 
     @property
     def engine_world_size(self) -> int:
@@ -120,9 +135,16 @@ class DynamoRefitChannel:
 
     # -- refit -------------------------------------------------------------------------
 
-    def prepare(self, state_dict_info: StateDictInfo) -> None:
-        """Build the update info (names, dtype names, shapes, packed) of later refits."""
-        self._update_info = update_info(state_dict_info, self._sender_spec)
+    def prepare(self, state_dict_info: StateDictInfo, *, vllm_nccl: bool = False) -> None:
+        """Build the update info (names, dtype names, shapes) of later refits.
+
+        Args:
+            state_dict_info: the state, in transfer order.
+            vllm_nccl: build it with the trainer's vLLM (workers on vLLM's NCCL data plane,
+                :func:`~refit_dynamo.protocol.update_info`).
+        """
+        geometry = self._sender_spec if vllm_nccl else None
+        self._update_info = update_info(state_dict_info, vllm_nccl=geometry)
         logger.debug("prepared update info for %d tensors", len(state_dict_info))
 
     def client_copy(self) -> DynamoRefitChannel:
@@ -152,12 +174,16 @@ class DynamoRefitChannel:
                 f"{len(self._workers)} workers x engine_world_size {self._engine_world_size}"
             )
         self.check_membership()
-        clone = self.client_copy()
         refs = []
         for index in range(len(self._workers)):
             offset = self.rank_offset(index, train_world_size)
             refs.append(
-                submit(join_worker, clone, index, init_payload(ip, port, offset, world_size))
+                submit(
+                    join_worker,
+                    self._client,
+                    self._workers[index],
+                    init_payload(ip, port, offset, world_size, self._sender_spec),
+                )
             )
         logger.info("asked %d Dynamo workers to join %s:%d", len(refs), ip, port)
         return refs
@@ -175,8 +201,8 @@ class DynamoRefitChannel:
         """
         if self._update_info is None:
             raise RuntimeError("call prepare(state_dict_info) before update_weights()")
-        clone = self.client_copy()
-        return [submit(update_worker, clone, i, weight_version) for i in range(len(self._workers))]
+        info = dict(self._update_info)
+        return [submit(update_worker, self._client, w, info, weight_version) for w in self._workers]
 
     def flush_cache(self) -> bool:
         """Pause every worker (wait, clear cache) in parallel, resume those that paused.
@@ -196,10 +222,6 @@ class DynamoRefitChannel:
     def admin(self) -> AdminClient:
         """The pooled admin client of this copy."""
         return self._client
-
-    def post(self, index: int, route: str, payload: Mapping[str, Any], rpc: str = "") -> None:
-        """One admin call to worker ``index``."""
-        self._client.post(self._workers[index], route, payload, rpc=rpc)
 
     def check_membership(self) -> None:
         """Raise :class:`FleetChangedError` if ``validate_workers`` sees another fleet."""

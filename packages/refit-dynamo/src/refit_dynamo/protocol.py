@@ -4,8 +4,17 @@ Route names and bodies follow Dynamo's vLLM worker handlers (``ai-dynamo`` 1.6.1
 ``dynamo/vllm/handlers.py`` and ``worker_factory.py``): each route is served at
 ``{system_url}/engine/{route}``; ``engine_rpc`` names the vLLM worker method that
 ``collective_rpc`` runs and every other key (except Dynamo's reserved ``allow_unpaused``,
-``reset_prefix_cache`` and ``weight_version``) becomes its keyword arguments. A call
-succeeded when the JSON answer has ``status == "ok"``.
+``reset_prefix_cache`` and ``weight_version``) becomes its keyword arguments, untouched: Dynamo
+reads none of them. A call succeeded when the JSON answer has ``status == "ok"``.
+
+The keyword arguments are vLLM's worker methods' (``vllm/v1/worker/gpu_worker.py``, read in
+vLLM 0.31.0, which ai-dynamo 1.6.1 pins, and in 0.32.0; the same in both):
+``init_weight_transfer_engine(init_info)`` parsed into ``NCCLWeightTransferInitInfo``, which
+carries the packing geometry (``packed``, ``packed_buffer_size_bytes``,
+``packed_num_buffers``); ``start_weight_update()`` with no argument;
+``update_weights(update_info)`` parsed into ``NCCLWeightTransferUpdateInfo`` (``names``,
+``dtype_names``, ``shapes`` and nothing else: an unknown key is a ``ValueError``);
+``finish_weight_update()``.
 """
 
 from __future__ import annotations
@@ -54,35 +63,62 @@ class Step:
 
 
 def init_payload(
-    master_address: str, master_port: int, rank_offset: int, world_size: int
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    spec: CollectiveSenderSpec,
+    *,
+    vllm_nccl: bool = False,
 ) -> dict[str, Any]:
-    """Body of ``init_weights_update_group``: join the trainer's group at ``rank_offset``."""
-    return {
-        "engine_rpc": "init_weight_transfer_engine",
-        "init_info": {
+    """Body of ``init_weights_update_group``: join the trainer's group at ``rank_offset``.
+
+    The packing geometry travels in the init info (vLLM's ``NCCLWeightTransferInitInfo``), so
+    both sides pack alike whatever the worker's defaults are (vLLM's own default is unpacked).
+    With ``vllm_nccl`` (workers on vLLM's NCCL data plane) the init info is built by the
+    trainer's vLLM dataclass.
+
+    Raises:
+        BackendNotInstalledError: ``vllm_nccl`` and vLLM does not import here.
+    """
+    if vllm_nccl:
+        from refit_nccl.vllm_native import nccl_init_info
+
+        info = nccl_init_info(master_address, master_port, rank_offset, world_size, spec)
+    else:
+        info = {
             "master_address": master_address,
             "master_port": master_port,
             "rank_offset": rank_offset,
             "world_size": world_size,
-        },
-    }
+            "packed": True,
+            "packed_buffer_size_bytes": spec.buffer_size_bytes,
+            "packed_num_buffers": spec.num_buffers,
+        }
+    return {"engine_rpc": "init_weight_transfer_engine", "init_info": info}
 
 
-def update_info(info: StateDictInfo, spec: CollectiveSenderSpec) -> dict[str, Any]:
-    """vLLM's packed update info for ``info`` (in transfer order).
+def update_info(
+    info: StateDictInfo, *, vllm_nccl: CollectiveSenderSpec | None = None
+) -> dict[str, Any]:
+    """vLLM's update info for ``info`` (in transfer order): names, dtype names, shapes.
 
-    The packing geometry travels with it, so both sides pack alike whatever the worker's
-    defaults are (vLLM's ``NCCLWeightTransferUpdateInfo`` takes both fields).
+    With ``vllm_nccl`` (the packing geometry of workers on vLLM's NCCL data plane) it is built
+    by the trainer's vLLM (``NCCLWeightTransferUpdateInfo``).
+
+    Raises:
+        BackendNotInstalledError: ``vllm_nccl`` and vLLM does not import here.
     """
+    if vllm_nccl is not None:
+        from refit_nccl.vllm_native import nccl_update_info
+
+        return nccl_update_info(info, vllm_nccl)
     if not info:
         raise ValueError("state_dict_info is empty")
     return {
         "names": list(info),
         "dtype_names": [s.dtype for s in info.values()],
         "shapes": [list(s.shape) for s in info.values()],
-        "packed": True,
-        "packed_buffer_size_bytes": spec.buffer_size_bytes,
-        "packed_num_buffers": spec.num_buffers,
     }
 
 
@@ -94,7 +130,7 @@ def update_steps(info: Mapping[str, Any], weight_version: int | None = None) -> 
     """
     version = {} if weight_version is None else {"weight_version": weight_version}
     return (
-        _update_call("start_weight_update", is_checkpoint_format=True),
+        _update_call("start_weight_update"),
         _update_call("update_weights", update_info=dict(info)),
         _update_call("finish_weight_update", **version),
     )

@@ -6,19 +6,19 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from refit_dynamo.admin import AdminClient
+
 if TYPE_CHECKING:
     import ray
-
-    from refit_dynamo.channel import DynamoRefitChannel
 
 __all__ = ["submit"]
 
 
-def _run_and_close(fn: Callable[..., Any], channel: DynamoRefitChannel, *args: Any) -> Any:
+def _run_and_close(fn: Callable[..., Any], admin: AdminClient, *args: Any) -> Any:
     try:
-        return fn(channel, *args)
+        return fn(admin, *args)
     finally:
-        channel.close()
+        admin.close()
 
 
 @functools.cache
@@ -36,7 +36,8 @@ def _task() -> Any:
     return ray.remote(num_cpus=0, max_retries=0, retry_exceptions=False)(_run_and_close)
 
 
-def submit(fn: Callable[..., Any], channel: DynamoRefitChannel, *args: Any) -> ray.ObjectRef[Any]:
-    """Start ``fn(channel, *args)`` as a Ray task (``channel`` must be a client copy)."""
-    ref: ray.ObjectRef[Any] = _task().remote(fn, channel, *args)
+def submit(fn: Callable[..., Any], admin: AdminClient, *args: Any) -> ray.ObjectRef[Any]:
+    """Start ``fn(admin, *args)`` as a Ray task; the task's copy of ``admin`` (it pickles
+    without its connections) is closed when ``fn`` returns."""
+    ref: ray.ObjectRef[Any] = _task().remote(fn, admin, *args)
     return ref

@@ -1,7 +1,8 @@
-"""pytest plugin: the ``gpu``, ``netns`` and ``engine`` markers skip or fail by need.
+"""pytest plugin: the ``gpu``, ``netns``, ``engine`` and ``sglang`` markers skip or fail by need.
 
 A marked test skips with a reason when its need is absent, and fails instead when the run
-passes ``--require-gpu`` / ``--require-netns`` / ``--require-engine``, so a CI job cannot pass
+passes ``--require-gpu`` / ``--require-netns`` / ``--require-engine`` / ``--require-sglang``,
+so a CI job cannot pass
 by skipping. Loaded by the repository's root ``conftest.py``.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-__all__ = ["NEEDS", "engine_available", "gpu_available", "netns_available"]
+__all__ = ["NEEDS", "engine_available", "gpu_available", "netns_available", "sglang_available"]
 
 
 def gpu_available() -> str | None:
@@ -43,12 +44,20 @@ def engine_available() -> str | None:
     return None
 
 
+def sglang_available() -> str | None:
+    """None when SGLang's own modules are importable, else the reason they are not."""
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed in this environment (run scripts/test-sglang)"
+    return None
+
+
 _MISSING = pytest.StashKey[list[str]]()
 
 NEEDS: dict[str, Callable[[], str | None]] = {
     "gpu": gpu_available,
     "netns": netns_available,
     "engine": engine_available,
+    "sglang": sglang_available,
 }
 
 
@@ -56,6 +65,7 @@ _DESCRIPTIONS = {
     "gpu": "needs a CUDA GPU",
     "netns": "needs root network namespaces",
     "engine": "needs a real inference engine (vLLM)",
+    "sglang": "needs SGLang's own code (sglang importable)",
 }
 
 

@@ -4,7 +4,9 @@ The model is a Llama/Qwen2-style decoder whose parameters use vLLM's fused layou
 (``qkv_proj`` and ``gate_up_proj``), while ``load_weights`` takes HF checkpoint names. The
 engine decodes greedily and keeps a prefix KV cache across requests that, like a real
 engine's, is NOT invalidated by ``load_weights``: refit code must call
-``reset_prefix_cache()``.
+``reset_prefix_cache()``. It takes refit's engine notifications (``on_refit_begin`` /
+``on_refit_abort`` / ``on_refit_commit``): while a refit writes its weights, and after one
+failed part-way until a complete refit commits, it generates nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -22,6 +25,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from refit_lab.digest import combined_digest, state_digest
+from refit_lab.serving_gate import GateState, ServingGate
 
 __all__ = [
     "GenerationOutput",
@@ -429,6 +433,7 @@ class ReferenceEngine:
         self._misses = 0
         self._hit_tokens = 0
         self._resets = 0
+        self._gate = ServingGate()
         if seed is not None:
             self.load_weights(random_checkpoint(config, seed).items())
 
@@ -456,6 +461,28 @@ class ReferenceEngine:
                 )
             logger.debug("weight version %s -> %s", self._weight_version, version)
             self._weight_version = version
+
+    @property
+    def serving_state(self) -> GateState:
+        """Open (serving), paused (a refit writes) or closed (partial weights)."""
+        return self._gate.state
+
+    def on_refit_begin(self, version: int) -> None:
+        """A refit to ``version`` is about to write the weights: stop generating (a generation
+        under way finishes first)."""
+        with self._lock:
+            self._gate.pause(f"a refit to version {version} is writing the weights")
+
+    def on_refit_abort(self, version: int, *, weights_changed: bool) -> None:
+        """The refit failed: serve the old weights again, or stay closed on partial ones."""
+        if weights_changed:
+            self._gate.close(f"the refit to version {version} failed part-way")
+        else:
+            self._gate.open()
+
+    def on_refit_commit(self, version: int) -> None:
+        """The weights are complete at ``version``: serve."""
+        self._gate.open()
 
     def checkpoint_tensor_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Checkpoint name -> ``(shape, dtype name)`` accepted by :meth:`load_weights`."""
@@ -525,17 +552,31 @@ class ReferenceEngine:
                 resets=self._resets,
             )
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerationOutput:
-        """Greedily decode ``max_new_tokens`` tokens after each non-empty prompt."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, wait_s: float = 0.0
+    ) -> GenerationOutput:
+        """Greedily decode ``max_new_tokens`` tokens after each non-empty prompt.
+
+        Args:
+            wait_s: how long to hold the request while a refit pauses or closes the engine.
+
+        Raises:
+            EngineClosedError: the engine was still paused or closed after ``wait_s``.
+        """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         token_lists = [[int(token) for token in prompt] for prompt in prompts]
         for index, tokens in enumerate(token_lists):
             self._validate_prompt(index, tokens, max_new_tokens)
-        with self._lock, torch.no_grad():
-            version = self._weight_version
-            outputs = [self._generate_one(tokens, max_new_tokens) for tokens in token_lists]
-        return GenerationOutput(tokens=outputs, weight_version=version)
+        until = time.monotonic() + wait_s
+        while True:
+            self._gate.wait_open(until - time.monotonic())
+            with self._lock, torch.no_grad():
+                if self._gate.state is not GateState.OPEN:
+                    continue  # a refit began between the gate and the lock
+                version = self._weight_version
+                outputs = [self._generate_one(tokens, max_new_tokens) for tokens in token_lists]
+            return GenerationOutput(tokens=outputs, weight_version=version)
 
     def _validate_prompt(self, index: int, tokens: list[int], max_new_tokens: int) -> None:
         cfg = self._config

@@ -13,7 +13,7 @@ import torch
 
 from refit_core.sources import StateDictSource
 
-__all__ = ["SimulatedTrainer"]
+__all__ = ["SimulatedTrainer", "StaticPolicy"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +69,15 @@ class SimulatedTrainer:
         return StateDictSource(
             {name: p.detach() for name, p in self.masters.items()}, dtype=self.engine_dtype
         )
+
+
+class StaticPolicy:
+    """A policy whose weights are a given dict of tensors (change them in place between
+    refits); satisfies ``PolicyLike``."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = dict(state)
+
+    def weight_source(self) -> StateDictSource:
+        """The tensors as they are now."""
+        return StateDictSource(self.state)

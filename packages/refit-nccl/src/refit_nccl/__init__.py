@@ -15,18 +15,22 @@ from typing import TYPE_CHECKING
 from refit_core.backend import lazy_facade
 
 if TYPE_CHECKING:
-    from refit_nccl.builder import CollectiveGeneration, CollectivePolicy
+    from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, PeerGeneration
+    from refit_nccl.devices import DeviceMismatchError
     from refit_nccl.endpoint import CollectiveEngine, EngineEndpoint, EngineStatus, TrainerEndpoint
     from refit_nccl.roles import CollectiveEngineRole, CollectiveMemberRole, CollectiveTrainerRole
     from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
+    from refit_nccl.vllm_native.engine import LLMWeightSyncClient, VllmNativeGeneration
 else:
     __getattr__ = lazy_facade(
         __name__,
         (
             "refit_nccl.builder",
+            "refit_nccl.devices",
             "refit_nccl.endpoint",
             "refit_nccl.roles",
             "refit_nccl.synchronizer",
+            "refit_nccl.vllm_native.engine",
         ),
     )
 
@@ -41,8 +45,12 @@ __all__ = [
     "CollectivePolicy",
     "CollectiveTrainerRole",
     "CollectiveWeightSynchronizer",
+    "DeviceMismatchError",
     "EngineEndpoint",
     "EngineStatus",
+    "LLMWeightSyncClient",
+    "PeerGeneration",
     "TrainerEndpoint",
+    "VllmNativeGeneration",
     "__version__",
 ]

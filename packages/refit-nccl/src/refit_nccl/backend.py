@@ -2,12 +2,15 @@
 
 Process groups whose calls end by a deadline, the packed broadcast and its plan, group
 membership, the join handshake, and the trainer side for engines that join refit's group
-through their own protocol. Everything else in ``refit_nccl`` is internal.
+through their own protocol, and engine ranks refit drives through the engine's own calls
+(``DrivenRankEndpoint``). Everything else in ``refit_nccl`` is internal.
 """
 
-from refit_nccl.backends import Backend, default_backend
+from refit_nccl.backends import Backend
 from refit_nccl.broadcast import Consumer, TransferStats, receive_packed, send_packed
 from refit_nccl.child import ChildProcessGroup
+from refit_nccl.devices import DeviceReport, DeviceType, choose_backend
+from refit_nccl.driven import DrivenRankEndpoint, DrivenRankParticipant
 from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, require_vllm_defaults
 from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
 from refit_nccl.handshake import agree_on_plan
@@ -26,6 +29,10 @@ __all__ = [
     "Bucket",
     "ChildProcessGroup",
     "Consumer",
+    "DeviceReport",
+    "DeviceType",
+    "DrivenRankEndpoint",
+    "DrivenRankParticipant",
     "GroupSpec",
     "JoinRequest",
     "Membership",
@@ -41,7 +48,7 @@ __all__ = [
     "TransferStats",
     "VllmPeerTrainer",
     "agree_on_plan",
-    "default_backend",
+    "choose_backend",
     "installed_vllm_geometry",
     "plan_membership",
     "receive_packed",

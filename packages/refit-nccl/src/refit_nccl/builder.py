@@ -3,8 +3,11 @@
 ``policy`` is either a trainer whose ranks are Ray actors (:class:`CollectivePolicy`) or a
 plain ``PolicyLike`` in the controller's process, which then sends as the only trainer rank.
 ``generation`` lists its engine shards as Ray actors serving :class:`EngineEndpoint`'s
-``refit_*`` methods (:class:`CollectiveGeneration`). ``train_cluster`` provides each group's
-rendezvous address on trainer rank 0's host (``get_master_address_and_port()``, all it needs).
+``refit_*`` methods (:class:`CollectiveGeneration`); engines of another protocol bring their
+own trainer side (:class:`PeerGeneration`: unmodified vLLM engines on vLLM's NCCL weight
+transfer, :class:`~refit_nccl.vllm_native.engine.VllmNativeGeneration`). ``train_cluster``
+provides each group's rendezvous address on trainer rank 0's host. The group's backend is
+chosen at every (re)build from the devices the members report, never from this process's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from refit_nccl.endpoint import TrainerEndpoint
 from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
 
-__all__ = ["CollectiveGeneration", "CollectivePolicy", "build_collective_synchronizer"]
+__all__ = [
+    "CollectiveGeneration",
+    "CollectivePolicy",
+    "PeerGeneration",
+    "build_collective_synchronizer",
+]
 
 
 @runtime_checkable
@@ -48,7 +56,23 @@ class CollectiveGeneration(Protocol):
         ...
 
 
-def _trainers(policy: object) -> list[Participant[CollectiveTrainerRole]]:
+@runtime_checkable
+class PeerGeneration(Protocol):
+    """Engines that speak another protocol than refit's endpoints and bring the trainer side
+    that speaks it."""
+
+    def collective_trainers_for(
+        self, policy: PolicyLike
+    ) -> Sequence[Participant[CollectiveTrainerRole]]:
+        """The trainer ranks (rank 0 sends) that drive these engines for ``policy``."""
+        ...
+
+
+def _trainers(policy: object, generation: object) -> list[Participant[CollectiveTrainerRole]]:
+    if isinstance(generation, PeerGeneration):
+        if not isinstance(policy, PolicyLike):
+            raise ValueError("policy must provide weight_source() for these engines")
+        return list(generation.collective_trainers_for(policy))
     if isinstance(policy, CollectivePolicy):
         handles = policy.collective_trainers()
         return [
@@ -90,7 +114,7 @@ def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWei
         }
 
     return CollectiveWeightSynchronizer(
-        _trainers(request.policy),
+        _trainers(request.policy, generation),
         shards,
         cluster.get_master_address_and_port,
         refit_timeout_s=request.refit_timeout_s,

@@ -309,7 +309,10 @@ class ChildProcessGroup(AbortableProcessGroup):
         super().__init__(dataclasses.replace(spec, in_child=True))
         # The parent bounds every wait itself; killing the child is what releases it.
         self._traits = dataclasses.replace(
-            self._traits, per_call_timeout=True, abort_releases=False
+            self._known_traits(),
+            per_call_timeout=True,
+            abort_releases=False,
+            waits_in_slices=False,
         )
 
     def _open(self, deadline: Deadline) -> tuple[Communicator, TCPStore | None]:

@@ -25,10 +25,11 @@ from refit_core import (
     RefitTimeoutError,
     TensorSpec,
 )
-from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
+from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike, notify
 from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
 from refit_nccl.child import make_group
+from refit_nccl.devices import DeviceReport, DeviceType
 from refit_nccl.geometry import DEFAULT_GEOMETRY
 from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.handshake import agree_on_plan
@@ -77,6 +78,8 @@ class EngineStatus:
         dirty: a transfer failed part-way; the weights are mixed until the next full refit.
         connected: whether its group is usable.
         abort_cause: why its group was aborted, if it was.
+        closed: its weights changed since the last commit: it serves nothing (its engine
+            was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
     """
 
     committed_version: int
@@ -84,6 +87,7 @@ class EngineStatus:
     dirty: bool
     connected: bool
     abort_cause: str | None
+    closed: bool = False
 
 
 def _deadline(timeout_s: float | None, what: str) -> Deadline:
@@ -94,13 +98,24 @@ def _deadline(timeout_s: float | None, what: str) -> Deadline:
 
 
 class _Endpoint(ABC):
-    """Group membership, plan and deadline handling shared by both roles."""
+    """Group membership, plan and deadline handling shared by both roles.
 
-    def __init__(self) -> None:
+    Args:
+        device: where this participant's tensors live; None: this process's device (CUDA
+            where it can use a GPU).
+    """
+
+    def __init__(self, device: DeviceType | None = None) -> None:
         self._lock = threading.Lock()
         self._group: AbortableProcessGroup | None = None
         self._plan: TransferPlan | None = None
         self._staging = StagingBuffers()
+        self._device = device
+
+    def refit_device(self) -> DeviceReport:
+        """Where this participant's tensors live and which backends it can join (the
+        controller chooses the group's backend from every member's report)."""
+        return DeviceReport.of(self._device)
 
     def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
         """Check ``state`` and ``geometry`` against this participant and return the plan
@@ -138,10 +153,18 @@ class _Endpoint(ABC):
             return plan.digest
 
     def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
-        """Move one refit's weights through the group (the role decides the direction)."""
+        """Move one refit's weights through the group (the role decides the direction).
+
+        A transfer that fails leaves its buffers to the calls it abandoned (they end by
+        their own timeout): the next transfer packs into fresh ones.
+        """
         with self._lock:
             group, plan = self._joined()
-            return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
+            try:
+                return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
+            except BaseException:
+                self._staging = StagingBuffers()
+                raise
 
     def refit_abort(self, cause: str, group_name: str | None = None) -> None:
         """Abort the current group (only if it is ``group_name``, when given); never blocks,
@@ -183,10 +206,11 @@ class TrainerEndpoint(_Endpoint, CollectiveTrainerRole):
 
     Args:
         policy: where the weights come from; ``weight_source()`` is read on every refit.
+        device: where the policy's tensors live; None: this process's device.
     """
 
-    def __init__(self, policy: PolicyLike) -> None:
-        super().__init__()
+    def __init__(self, policy: PolicyLike, device: DeviceType | None = None) -> None:
+        super().__init__(device)
         self._policy = policy
 
     def refit_join(self, request: JoinRequest) -> str:
@@ -228,20 +252,23 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
     Args:
         engine_factory: builds (or returns) the engine, on first use.
         geometry: the packing geometry this receiver declares.
+        device: where the engine's weights live; None: this process's device.
     """
 
     def __init__(
         self,
         engine_factory: Callable[[], CollectiveEngine],
         geometry: CollectiveSenderSpec = DEFAULT_GEOMETRY,
+        device: DeviceType | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(device)
         self._engine_factory = engine_factory
         self._engine: CollectiveEngine | None = None
         self._geometry = geometry
         self._committed = 0
         self._loaded: int | None = None
         self._dirty = False
+        self._closed = False
 
     @property
     def engine(self) -> CollectiveEngine:
@@ -268,6 +295,8 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
             self.engine.reset_prefix_cache()
             self.engine.set_weight_version(version)
             self._committed = version
+            self._closed = False
+            notify(self.engine, "on_refit_commit", version)
             return version
 
     def refit_status(self) -> EngineStatus:
@@ -279,6 +308,7 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
             self._dirty,
             group is not None and group.connected,
             group.abort_cause if group is not None else None,
+            self._closed,
         )
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
@@ -314,10 +344,18 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
         self._loaded = None
 
         def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            if not self._closed:
+                notify(engine, "on_refit_begin", version)
+                self._closed = True
             self._dirty = True
             engine.load_weights(items)
 
-        stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+        try:
+            stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+        except BaseException:
+            if self._dirty:
+                notify(engine, "on_refit_abort", version, weights_changed=True)
+            raise
         self._loaded, self._dirty = version, False
         logger.info("%s: loaded version %d in %.3f s", group.spec.label, version, stats.total_s)
         return stats

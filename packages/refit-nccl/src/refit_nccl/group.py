@@ -7,6 +7,9 @@ timeout (gloo) and a watchdog aborts the communicator where abort releases calls
 A call that does not complete aborts the group; every later call raises
 :class:`~refit_core.RefitAbortedError` naming that first cause. Store keys and warm-up follow
 refit's convention or vLLM's (:mod:`refit_nccl.rendezvous`), so a vLLM peer can join.
+
+The backend is given, or (``backend=None``) agreed at connect from the device every member
+reports through the store, as SPMD deployments (Megatron) need: no controller decides.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch._C._distributed_c10d import (
@@ -31,7 +35,15 @@ from torch.distributed import DistStoreError
 
 from refit_core import ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
 from refit_core.backend import Deadline
-from refit_nccl.backends import Backend, BackendTraits, CallHandle, Communicator, traits_of
+from refit_nccl.backends import (
+    Backend,
+    BackendTraits,
+    CallHandle,
+    Communicator,
+    RewaitableHandle,
+    traits_for,
+)
+from refit_nccl.devices import DeviceReport, DeviceType, choose_backend, native_backend
 from refit_nccl.rendezvous import Convention, Rendezvous, convention_of
 from refit_nccl.watchdog import Watchdog
 
@@ -60,6 +72,9 @@ DISARMED_TIMEOUT_S = 1800.0
 _MIN_WAIT_S = 0.001
 """Work.wait treats a zero timeout as "no timeout"; never pass less than this."""
 
+_ABORT_POLL_S = 0.05
+"""How often a caller blocked in a gloo call checks whether its group was aborted."""
+
 _DEADLINE_SLOP_S = 0.1
 """A call failing this close to its deadline is reported as a timeout (gloo's own timer
 fires a hair before the deadline the timeout was derived from)."""
@@ -74,26 +89,32 @@ class GroupSpec:
         port: the store's port; use a fresh one per group.
         rank: this participant's rank.
         world_size: number of ranks.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); None: the members agree on it at
+            connect from the devices they report (:func:`~refit_nccl.devices.choose_backend`).
         name: the group's name (prefix of its store keys under refit's rendezvous).
         disarmed_timeout_s: timeout of calls made under a disarmed deadline.
-        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, or
-            ``"vllm"`` for a group that vLLM's stateless groups join
-            (:mod:`refit_nccl.rendezvous`; gloo only).
+        rendezvous: whose store keys and warm-up the group follows: ``"refit"``, ``"vllm"``
+            for a group that vLLM's peers join (:mod:`refit_nccl.rendezvous`): on gloo vLLM's
+            stateless torch group, on ``nccl`` vLLM's own ``PyNcclCommunicator``
+            (:mod:`refit_nccl.vllm_native`, which needs vLLM importable here), or ``"sglang"``
+            for one that SGLang's ``init_custom_process_group`` joins.
         in_child: run the communicator in a child process that is killed at the deadline
             or on abort (:class:`~refit_nccl.child.ChildProcessGroup`; gloo only); build the
             group with :func:`~refit_nccl.child.make_group`.
+        device: the device this member reports when ``backend`` is None (None: this
+            process's); ignored otherwise.
     """
 
     host: str
     port: int
     rank: int
     world_size: int
-    backend: Backend = "gloo"
+    backend: Backend | None = "gloo"
     name: str = "refit"
     disarmed_timeout_s: float = DISARMED_TIMEOUT_S
     rendezvous: Rendezvous = "refit"
     in_child: bool = False
+    device: DeviceType | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -102,13 +123,13 @@ class GroupSpec:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if not self.disarmed_timeout_s > 0:
             raise ValueError(f"disarmed_timeout_s must be > 0, got {self.disarmed_timeout_s}")
-        traits_of(self.backend)
+        if self.backend is not None:
+            traits_for(self.backend, self.rendezvous)
         convention_of(self.rendezvous)
-        if self.rendezvous == "vllm" and self.backend != "gloo":
-            raise ValueError(
-                "vLLM's NCCL rendezvous (an NCCL unique id pickled into the store for "
-                "PyNcclCommunicator) is not built; a vllm-rendezvous group runs on gloo"
-            )
+        if self.rendezvous != "refit" and self.backend is None:
+            raise ValueError(f"a {self.rendezvous} peer joins a group of a known backend; name it")
+        if self.device is not None:
+            native_backend(self.device)
         if self.in_child and self.backend != "gloo":
             raise ValueError(
                 "a child-process communicator moves CPU tensors (gloo); CUDA tensors would "
@@ -130,12 +151,19 @@ class PendingCall:
     """An issued call; :meth:`wait` blocks until it completes or its deadline passes."""
 
     def __init__(
-        self, group: AbortableProcessGroup, what: str, work: CallHandle, deadline: Deadline
+        self,
+        group: AbortableProcessGroup,
+        what: str,
+        work: CallHandle,
+        deadline: Deadline,
+        *,
+        rewaitable: bool,
     ) -> None:
         self._group = group
         self._work: CallHandle | None = work
         self.what = what
         self.deadline = deadline
+        self.rewaitable = rewaitable
 
     def wait(self) -> None:
         """Block until the call completes; idempotent.
@@ -160,7 +188,9 @@ class AbortableProcessGroup:
 
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
-        self._traits: BackendTraits = traits_of(spec.backend)
+        self._traits: BackendTraits | None = (
+            None if spec.backend is None else traits_for(spec.backend, spec.rendezvous)
+        )
         self._lock = threading.Lock()
         self._pg: Communicator | None = None
         self._store: TCPStore | None = None
@@ -182,15 +212,20 @@ class AbortableProcessGroup:
 
     @property
     def backend(self) -> Backend:
-        """The communicator backend."""
-        return self.spec.backend
+        """The communicator backend (agreed at connect when the spec names none)."""
+        return self._known_traits().name
 
     @property
     def device(self) -> torch.device:
         """Device of the tensors this group moves."""
         if self._device is None:
-            self._device = self._traits.device()
+            self._device = self._known_traits().device()
         return self._device
+
+    def _known_traits(self) -> BackendTraits:
+        if self._traits is None:
+            raise RuntimeError(f"{self.spec.label}: the backend is agreed at connect()")
+        return self._traits
 
     @property
     def connected(self) -> bool:
@@ -217,12 +252,16 @@ class AbortableProcessGroup:
             RefitTimeoutError: a peer did not arrive before the deadline.
             RefitAbortedError: the group was aborted before or during the rendezvous.
             RefitError: the rendezvous failed otherwise (for example the port is taken).
+            BackendNotInstalledError: this process cannot build the backend's communicator
+                (vLLM's NCCL data plane without vLLM); nothing was joined.
         """
         spec = self.spec
         with self._lock:
             self._raise_if_aborted("connect")
             if self._pg is not None:
                 return
+        if self._traits is not None:
+            self._traits.require()
         logger.debug("%s: rendezvous at %s:%d", spec.label, spec.host, spec.port)
         with self._guard(deadline, "rendezvous"):
             try:
@@ -233,11 +272,19 @@ class AbortableProcessGroup:
             if self._abort_cause is None:
                 self._pg, self._store = pg, store
         self._raise_if_aborted("connect")
-        self._warm_up(deadline)
-        logger.info("%s: connected (%s)", spec.label, spec.backend)
+        traits = self._known_traits()
+        with self._guard(deadline, "communicator init"):
+            try:
+                traits.connect(pg, self.device, self._timeout(deadline, "communicator init"))
+            except Exception as exc:
+                raise self._rendezvous_error(exc, deadline) from exc
+        self._raise_if_aborted("connect")
+        if not traits.warms_up_itself:
+            self._warm_up(deadline)
+        logger.info("%s: connected (%s on %s)", spec.label, traits.name, self.device)
 
     def _open(self, deadline: Deadline) -> tuple[Communicator, TCPStore | None]:
-        """Meet the other ranks over the store and build the communicator."""
+        """Meet the other ranks over the store and build the communicator (not connected)."""
         spec = self.spec
         timeout = self._timeout(deadline, "rendezvous")
         store = TCPStore(
@@ -248,18 +295,50 @@ class AbortableProcessGroup:
             timeout=timeout,
             wait_for_workers=True,
         )
+        if self._traits is None:
+            agreeing = spec.convention.store_prefix(spec.name, spec.host, spec.port, None)
+            self._traits = self._agree_on_backend(PrefixStore(agreeing, store))
+        traits = self._traits
+        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port, traits.name)
         construct_timeout = (
-            timeout if self._traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
+            timeout if traits.per_call_timeout else timedelta(seconds=spec.disarmed_timeout_s)
         )
-        prefix = spec.convention.store_prefix(spec.name, spec.host, spec.port)
-        pg = self._traits.construct(
-            PrefixStore(prefix, store), spec.rank, spec.world_size, construct_timeout, spec.host
+        pg = traits.construct(
+            store if traits.raw_store else PrefixStore(prefix, store),
+            spec.rank,
+            spec.world_size,
+            construct_timeout,
+            spec.host,
+            self.device,
         )
         return pg, store
+
+    def _agree_on_backend(self, store: PrefixStore) -> BackendTraits:
+        """Publish this member's device report, read everyone's, choose the backend.
+
+        Every member reads the same reports and so reaches the same verdict; a mismatch
+        raises :class:`~refit_nccl.devices.DeviceMismatchError` on all of them.
+        """
+        spec = self.spec
+        mine = DeviceReport.of(spec.device)
+        store.set(f"device/{spec.rank}", f"{mine.device} {' '.join(mine.backends)}")
+        keys = [f"device/{rank}" for rank in range(spec.world_size)]
+        store.wait(keys)
+        reports: dict[str, DeviceReport] = {}
+        for rank, key in enumerate(keys):
+            device, *backends = store.get(key).decode().split()
+            reports[f"rank {rank}"] = DeviceReport(
+                cast(DeviceType, device), cast(tuple[Backend, ...], tuple(backends))
+            )
+        backend = choose_backend(reports)
+        logger.info("%s: members agreed on %s", spec.label, backend)
+        return traits_for(backend, spec.rendezvous)
 
     def _warm_up(self, deadline: Deadline) -> None:
         """The convention's one-element all-reduce; it must sum to what the convention says."""
         convention = self.spec.convention
+        if convention.warm_up_value is None:
+            return
         probe = torch.full((1,), convention.warm_up_value, device=self.device)
         self.all_reduce(probe, deadline)
         expected = convention.expected_warm_up(self.world_size)
@@ -299,11 +378,11 @@ class AbortableProcessGroup:
             options = BroadcastOptions()
             options.rootRank = root
             options.rootTensor = 0
-            if self._traits.per_call_timeout:
+            if self._known_traits().per_call_timeout:
                 options.timeout = timeout
             return pg.broadcast([tensor], options)
 
-        return self._issue(f"broadcast from {root}", deadline, start)
+        return self._issue(f"broadcast from {root}", deadline, start, rewaitable=True)
 
     def all_reduce(
         self, tensor: torch.Tensor, deadline: Deadline, op: ReduceOpName = "sum"
@@ -315,11 +394,11 @@ class AbortableProcessGroup:
         def start(pg: Communicator, timeout: timedelta) -> CallHandle:
             options = AllreduceOptions()
             options.reduceOp = reduce_op
-            if self._traits.per_call_timeout:
+            if self._known_traits().per_call_timeout:
                 options.timeout = timeout
             return pg.allreduce([tensor], options)
 
-        self._issue(f"all_reduce {op}", deadline, start).wait()
+        self._issue(f"all_reduce {op}", deadline, start, rewaitable=True).wait()
 
     def send(self, tensor: torch.Tensor, dst: int, deadline: Deadline, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``."""
@@ -346,7 +425,11 @@ class AbortableProcessGroup:
         what: str,
         deadline: Deadline,
         start: Callable[[Communicator, timedelta], CallHandle],
+        *,
+        rewaitable: bool = False,
     ) -> PendingCall:
+        """Start a call; ``rewaitable``: its ``wait`` may time out and be waited on again
+        (gloo's collectives; a timed-out wait of a gloo send or recv closes the pair)."""
         with self._lock:
             self._raise_if_aborted(what)
             pg = self._pg
@@ -360,17 +443,44 @@ class AbortableProcessGroup:
         except BaseException as exc:
             self._settle()
             raise self._failure(what, exc, deadline) from exc
-        return PendingCall(self, what, work, deadline)
+        return PendingCall(self, what, work, deadline, rewaitable=rewaitable)
 
     def _complete(self, call: PendingCall, work: CallHandle) -> None:
         try:
-            timeout = self._timeout(call.deadline, call.what)
-            with self._guard(call.deadline, call.what):
-                work.wait(max(timeout, timedelta(seconds=_MIN_WAIT_S)))
+            if self._known_traits().waits_in_slices and call.rewaitable:
+                self._wait_in_slices(call, work)
+            else:
+                timeout = self._timeout(call.deadline, call.what)
+                with self._guard(call.deadline, call.what):
+                    work.wait(max(timeout, timedelta(seconds=_MIN_WAIT_S)))
         except BaseException as exc:
             raise self._failure(call.what, exc, call.deadline) from exc
         finally:
             self._settle()
+
+    def _wait_in_slices(self, call: PendingCall, work: CallHandle) -> None:
+        """Wait for ``work``, leaving it (still running) as soon as the group is aborted.
+
+        Raises:
+            RefitAbortedError: the group was aborted while the call ran.
+        """
+        ends = time.monotonic() + self._timeout(call.deadline, call.what).total_seconds()
+        while True:
+            left_s = ends - time.monotonic()
+            wait_s = min(left_s, _ABORT_POLL_S)
+            try:
+                work.wait(timedelta(seconds=max(wait_s, _MIN_WAIT_S)))
+                return
+            except RuntimeError:
+                # The call itself ended (failed or timed out by the group's own timeout),
+                # or the whole wait is spent: nothing more to wait for.
+                if wait_s >= left_s or cast(RewaitableHandle, work).is_completed():
+                    raise
+            cause = self._abort_cause
+            if cause is not None:
+                raise RefitAbortedError(
+                    f"{self.spec.label}: {call.what} abandoned: the group was aborted ({cause})"
+                )
 
     def _timeout(self, deadline: Deadline, what: str) -> timedelta:
         remaining = deadline.remaining_s()
@@ -381,7 +491,7 @@ class AbortableProcessGroup:
         return timedelta(seconds=remaining)
 
     def _guard(self, deadline: Deadline, what: str) -> contextlib.AbstractContextManager[object]:
-        if not self._traits.abort_releases:
+        if self._traits is None or not self._traits.abort_releases:
             return contextlib.nullcontext()
         cause = f"{what} passed its deadline"
         return Watchdog(deadline, lambda: self.abort(cause), what=f"{self.spec.label}: {what}")

@@ -17,6 +17,7 @@ from refit_core import RefitAbortedError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.child import make_group
+from refit_nccl.devices import DeviceReport, DeviceType
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.roles import CollectiveTrainerRole, JoinRequest, StateItems
 
@@ -36,19 +37,22 @@ PlanT = TypeVar("PlanT", bound=_Plan)
 class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
     """The sending trainer rank (rank 0) of a refit into engines of another protocol.
 
-    Plays :class:`~refit_nccl.roles.CollectiveTrainerRole` for refit-nccl's synchronizer.
-    Every group call runs under the
+    Plays :class:`~refit_nccl.roles.CollectiveTrainerRole` for refit-nccl's synchronizer
+    (``refit_device``, ``refit_state``, ``refit_plan``, ``refit_join``, ``refit_transfer``,
+    ``refit_abort``). Every group call runs under the
     remaining deadline, so this side never hangs.
 
     Args:
         policy: where the weights come from; ``weight_source()`` is read on every refit.
+        device: where the policy's tensors live; None: this process's device.
     """
 
     engines = "this"
     """What the engines are, for errors (``"an SGLang"`` refit ...)."""
 
-    def __init__(self, policy: PolicyLike) -> None:
+    def __init__(self, policy: PolicyLike, device: DeviceType | None = None) -> None:
         self._policy = policy
+        self._device = device
         self._lock = threading.Lock()
         self._group: AbortableProcessGroup | None = None
         self._group_name: str | None = None
@@ -67,6 +71,10 @@ class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
     def _group_spec(self, request: JoinRequest) -> GroupSpec:
         """The group to host for ``request`` (the request's own, unless overridden)."""
         return request.group
+
+    def refit_device(self) -> DeviceReport:
+        """Where this trainer's tensors live and which backends it can join."""
+        return DeviceReport.of(self._device)
 
     def refit_state(self) -> StateItems:
         """The state this trainer sends, in transfer order."""

@@ -1,6 +1,6 @@
 """How a group's members meet: the store keys and the warm-up each convention expects.
 
-Two conventions, chosen by ``GroupSpec.rendezvous``:
+Three conventions, chosen by ``GroupSpec.rendezvous``:
 
 * ``"refit"``: the communicator's store keys live under the group's name, and the warm-up
   all-reduce sums a one from every rank, so it also checks the world size.
@@ -15,9 +15,17 @@ Two conventions, chosen by ``GroupSpec.rendezvous``:
   no plan handshake: it cuts buckets from the update info by its packing rule
   (:data:`refit_nccl.plan.PACKING_RULES` ``["vllm"]``).
 
+* ``"sglang"``: what SGLang's weight-update group expects (read in SGLang 0.5.23,
+  ``sglang/srt/utils/common.py`` ``init_custom_process_group``, and torch's
+  ``_new_process_group_helper``): SGLang wraps the store in ``PrefixStore(group_name)``, torch
+  adds ``PrefixStore(f"{group_name}/")`` and ``PrefixStore(f"{device}/")`` for the backend's
+  first device (one communicator serves every device when they share a backend: gloo
+  ``cpu``, NCCL ``cuda``). No warm-up: SGLang's first collective is the first broadcast of
+  an update.
+
 vLLM's NCCL receiver builds its communicator from an NCCL unique id that rank 0 pickles
-under the store key ``broadcast_from/0/0``; refit does not build that communicator (see the
-README), so a ``"vllm"`` group runs on gloo.
+under the store key ``broadcast_from/0/0``; on the ``nccl`` backend a ``"vllm"`` group is that
+communicator, built by vLLM's own code (:mod:`refit_nccl.vllm_native`), on the raw store.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Literal
 
 __all__ = ["Convention", "Rendezvous", "convention_of"]
 
-Rendezvous = Literal["refit", "vllm"]
+Rendezvous = Literal["refit", "vllm", "sglang"]
 
 
 def _tcp_uri(host: str, port: int) -> str:
@@ -45,17 +53,24 @@ class Convention:
 
     Attributes:
         name: the convention.
-        warm_up_value: what each rank contributes to the warm-up all-reduce (sum).
+        warm_up_value: what each rank contributes to the warm-up all-reduce (sum); None
+            where the convention has no warm-up.
         counts_ranks: whether the warm-up sum must equal the world size (else zero).
     """
 
     name: Rendezvous
-    warm_up_value: float
+    warm_up_value: float | None
     counts_ranks: bool
 
-    def store_prefix(self, group_name: str, host: str, port: int) -> str:
-        """The prefix of the communicator's store keys."""
-        return group_name if self.name == "refit" else _tcp_uri(host, port)
+    def store_prefix(self, group_name: str, host: str, port: int, backend: str | None) -> str:
+        """The prefix of the communicator's store keys (``backend`` None: before the members
+        agreed on one, which only refit's convention does)."""
+        if self.name == "refit":
+            return group_name
+        if self.name == "vllm":
+            return _tcp_uri(host, port)
+        device = "cpu" if backend == "gloo" else "cuda"
+        return f"{group_name}/{group_name}//{device}/"
 
     def expected_warm_up(self, world_size: int) -> float:
         """What the warm-up all-reduce sums to when every rank took part."""
@@ -65,6 +80,7 @@ class Convention:
 _CONVENTIONS: dict[str, Convention] = {
     "refit": Convention("refit", warm_up_value=1.0, counts_ranks=True),
     "vllm": Convention("vllm", warm_up_value=0.0, counts_ranks=False),
+    "sglang": Convention("sglang", warm_up_value=None, counts_ranks=False),
 }
 
 

@@ -18,6 +18,8 @@ from refit_core import TensorSpec
 if TYPE_CHECKING:
     from refit_core.backend import CollectiveSenderSpec
     from refit_nccl.broadcast import TransferStats
+    from refit_nccl.devices import DeviceReport
+    from refit_nccl.endpoint import EngineStatus
     from refit_nccl.group import GroupSpec
 
 __all__ = [
@@ -51,6 +53,10 @@ class JoinRequest:
 
 class CollectiveMemberRole(Protocol):
     """What every member of a refit group serves, trainer rank or engine worker."""
+
+    def refit_device(self) -> DeviceReport:
+        """Where this member sends or receives, and which backends it can join."""
+        ...
 
     def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
         """The digest of this member's plan for ``state`` under ``geometry``; joins nothing.
@@ -91,4 +97,8 @@ class CollectiveEngineRole(CollectiveMemberRole, Protocol):
 
     def refit_commit(self, version: int) -> int:
         """Serve ``version``, fully received by the last transfer; returns it."""
+        ...
+
+    def refit_status(self) -> EngineStatus:
+        """This worker's refit state (the fleet status and a failure's engine reports)."""
         ...

@@ -12,6 +12,7 @@ VLLM_COLLECTIVE = BackendRow(
     transport="collective",
     builder="refit_nccl.builder:build_collective_synchronizer",
     description="NCCL collective broadcast of packed buckets",
+    on_failure="previous version (staged: default); closed until a complete refit (streamed)",
     default=True,
     options="refit_nccl:CollectiveOptions",
     train_cluster=_RENDEZVOUS,

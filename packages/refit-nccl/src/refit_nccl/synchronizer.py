@@ -12,13 +12,19 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from refit_core import (
+    EngineHealth,
+    EngineReport,
+    EngineState,
+    EngineStatus,
+    FleetStatus,
     GeometryMismatchError,
+    Recovery,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -27,8 +33,9 @@ from refit_core import (
     WorkerOutcome,
 )
 from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
-from refit_nccl.backends import Backend, default_backend
+from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
+from refit_nccl.devices import DeviceReport, choose_backend
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
 from refit_nccl.roles import (
@@ -52,7 +59,9 @@ class CollectiveOptions:
     """Tuning of a :class:`CollectiveWeightSynchronizer`.
 
     Attributes:
-        backend: communicator backend; None picks ``nccl`` with a GPU, else ``gloo``.
+        backend: communicator backend; None picks it at every (re)build from the devices
+            every member reports (``nccl`` when all are on CUDA, ``gloo`` when all are on
+            CPU; mixed devices are refused). A backend given here must suit every member.
         buffer_size_bytes: bucket size the deployment requires (``refit_buffer_size_gb``);
             engines declaring another size are refused. None accepts what they declare.
         control_timeout_s: bound of non-collective calls (geometry, state, commit).
@@ -60,6 +69,8 @@ class CollectiveOptions:
             their own timeout before naming them wedged.
         settle_s: once the deadline has passed and a participant has failed, how much longer
             the controller waits for the others (they release by the deadline plus ~1 s).
+        status_timeout_s: longest wait for an engine's status (``status()``, ``recover()``
+            and the engine states of a failure); one that does not answer is unreachable.
         group_name: prefix of each group's store keys; a counter makes every group unique.
         communicator_in_child: every participant runs its communicator in a child process
             that is killed at the deadline or on abort (``ChildProcessGroup``, gloo only),
@@ -72,6 +83,7 @@ class CollectiveOptions:
     control_timeout_s: float = 60.0
     grace_s: float = 5.0
     settle_s: float = 1.5
+    status_timeout_s: float = 10.0
     group_name: str = "refit"
     communicator_in_child: bool = False
 
@@ -85,6 +97,7 @@ class _Group:
     """
 
     name: str
+    backend: Backend
     membership: Membership
     members: Mapping[int, Participant[CollectiveMemberRole]]
     engines: tuple[Participant[CollectiveEngineRole], ...]
@@ -121,8 +134,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._shards = shards
         self._rendezvous = rendezvous
         self._options = options or CollectiveOptions()
-        self._backend: Backend = self._options.backend or default_backend()
-        if self._options.communicator_in_child and self._backend != "gloo":
+        if self._options.communicator_in_child and self._options.backend == "nccl":
             raise ValueError("communicator_in_child needs the gloo backend")
         self._counter = itertools.count()
         self._group: _Group | None = None
@@ -132,6 +144,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     def membership(self) -> Membership | None:
         """Who is in the current group (None before the first build)."""
         return self._group.membership if self._group else None
+
+    @property
+    def backend(self) -> Backend | None:
+        """The current group's backend, chosen from its members' devices (None before the
+        first build)."""
+        return self._group.backend if self._group else None
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -146,18 +164,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 f"the communicator is stale ({reason}); call reconcile_communicator()"
             )
         started = time.monotonic()
-        left = _left(deadline, f"refit to version {version}")
+        what = f"refit to version {version}"
+        left = _left(deadline, what)
         gathered = self._gather_collective(
             {
                 p: p.call(CollectiveMemberRole.refit_transfer, version, left)
                 for p in group.members.values()
             },
             deadline,
+            group,
         )
         moved = time.monotonic()
         if not gathered.ok:
-            self._invalidate(group, f"refit to version {version} failed")
-            raise _failure(f"refit to version {version}", gathered, deadline)
+            self._invalidate(group, f"{what} failed")
+            raise self._failure(what, gathered, deadline, target=version)
         committed = gather(
             {p: p.call(CollectiveEngineRole.refit_commit, version) for p in group.engines},
             self._control_wait_s(deadline),
@@ -165,7 +185,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not committed.ok:
             if committed.missing:
                 self._invalidate(group, "engines did not answer the commit")
-            raise _failure(f"commit of version {version}", committed, deadline)
+            raise self._failure(f"commit of version {version}", committed, deadline, target=version)
         finished = time.monotonic()
         sender: TransferStats = gathered.results[group.members[0]]
         received: list[TransferStats] = [gathered.results[p] for p in group.engines]
@@ -225,12 +245,13 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         }
         members: dict[int, Participant[CollectiveMemberRole]] = dict(enumerate(self._trainers))
         members.update(by_rank)
+        backend = self._agree_backend(members.values(), deadline)
         planned = gather(
             {p: p.call(CollectiveMemberRole.refit_plan, state, geometry) for p in members.values()},
             self._control_wait_s(deadline),
         )
         if not planned.ok:
-            raise _failure("planning the transfer", planned, deadline)
+            raise self._failure("planning the transfer", planned, deadline)
         _require_one_digest(planned)
         name = f"{self._options.group_name}-{next(self._counter)}"
         host, port = self._rendezvous()
@@ -249,7 +270,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                         port,
                         rank,
                         membership.world_size,
-                        self._backend,
+                        backend,
                         name,
                         in_child=self._options.communicator_in_child,
                     ),
@@ -260,15 +281,37 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             )
             for rank, participant in members.items()
         }
-        gathered = self._gather_collective(calls, deadline)
+        gathered = self._gather_collective(calls, deadline, abort=(name, members.values()))
         if not gathered.ok:
             self._abort_members(name, members.values(), "join failed")
-            raise _failure(f"joining group {name}", gathered, deadline)
+            raise self._failure(f"joining group {name}", gathered, deadline)
         seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
         digest = _require_one_digest(gathered)
         engines_by_rank = tuple(by_rank[rank] for rank in sorted(by_rank))
-        self._group = _Group(name, membership, members, engines_by_rank, absent, seen, digest)
+        self._group = _Group(
+            name, backend, membership, members, engines_by_rank, absent, seen, digest
+        )
         self._stale_reason = None
+
+    def _agree_backend(
+        self, members: Iterable[Participant[CollectiveMemberRole]], deadline: Deadline
+    ) -> Backend:
+        """The backend every member can join, from the device each one reports."""
+        members = list(members)
+        gathered = gather(
+            {p: p.call(CollectiveMemberRole.refit_device) for p in members},
+            self._control_wait_s(deadline),
+        )
+        if not gathered.ok:
+            raise self._failure("asking the members for their devices", gathered, deadline)
+        reports: dict[str, DeviceReport] = {p.label: gathered.results[p] for p in members}
+        requested = self._options.backend or (
+            "gloo" if self._options.communicator_in_child else None
+        )
+        backend = choose_backend(reports, requested)
+        devices = sorted({r.device for r in reports.values()})
+        logger.info("members report %s: backend %s", ", ".join(devices), backend)
+        return backend
 
     def _agree_geometry(
         self, engines: Sequence[Participant[CollectiveEngineRole]], deadline: Deadline
@@ -278,7 +321,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             self._control_wait_s(deadline),
         )
         if not gathered.ok:
-            raise _failure("asking the engines for their geometry", gathered, deadline)
+            raise self._failure("asking the engines for their geometry", gathered, deadline)
         declared: dict[CollectiveSenderSpec, list[str]] = {}
         for engine, spec in gathered.results.items():
             declared.setdefault(spec, []).append(engine.label)
@@ -300,7 +343,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         asked = sender.call(CollectiveTrainerRole.refit_state)
         gathered = gather({sender: asked}, self._control_wait_s(deadline))
         if not gathered.ok:
-            raise _failure(f"asking {sender.label} for its state", gathered, deadline)
+            raise self._failure(f"asking {sender.label} for its state", gathered, deadline)
         return asked.result()
 
     def _invalidate(self, group: _Group, cause: str) -> None:
@@ -317,18 +360,113 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             participant.call(CollectiveMemberRole.refit_abort, cause, name)
 
     def _gather_collective(
-        self, calls: Mapping[Participant[Any], Future[Any]], deadline: Deadline
+        self,
+        calls: Mapping[Participant[Any], Future[Any]],
+        deadline: Deadline,
+        group: _Group | None = None,
+        *,
+        abort: tuple[str, Iterable[Participant[CollectiveMemberRole]]] | None = None,
     ) -> Gathered:
-        """Wait for collective calls: up to deadline + grace, or deadline + settle once one
-        has failed."""
+        """Wait for collective calls, up to deadline + grace. The first failure aborts the
+        group on every member at once (a dead peer ends the refit everywhere, not at the
+        deadline); the rest then get ``settle_s`` to report."""
+        target = abort or ((group.name, group.members.values()) if group else None)
+
+        def abort_everyone(participant: Participant[Any], error: BaseException) -> None:
+            if target is not None:
+                cause = f"{participant.label} failed: {type(error).__name__}"
+                logger.warning("collective call failed on %s; aborting the group", participant)
+                self._abort_members(target[0], target[1], cause)
+
         remaining = deadline.remaining_s()
+        settle = self._options.settle_s
         if remaining is None or deadline.at is None:
-            return gather(calls, DISARMED_TIMEOUT_S + self._options.grace_s)
+            return gather(
+                calls,
+                DISARMED_TIMEOUT_S + self._options.grace_s,
+                settle_s=settle,
+                on_failure=abort_everyone,
+            )
         return gather(
             calls,
             remaining + self._options.grace_s,
-            settle_at=deadline.at + self._options.settle_s,
+            settle_at=deadline.at + settle,
+            settle_s=settle,
+            on_failure=abort_everyone,
         )
+
+    # -- fleet status and failures -----------------------------------------------------
+
+    def _fleet_status(
+        self,
+        deadline: Deadline,
+        *,
+        silent: Collection[Participant] = (),
+        wait_s: float | None = None,
+    ) -> FleetStatus:
+        """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
+        workers = [(i, w) for i, ws in self._shards().items() for w in ws]
+        limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
+        silent_keys = {p.key for p in silent}
+        gathered = gather(
+            {w: w.call("refit_status") for _, w in workers if w.key not in silent_keys},
+            limit if wait_s is None else min(limit, wait_s),
+        )
+        gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
+        return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
+
+    def _live_shards(self) -> frozenset[int] | None:
+        group = self._group
+        return None if group is None else frozenset(group.membership.shard_indices)
+
+    def _failure(
+        self, what: str, gathered: Gathered, deadline: Deadline, *, target: int | None = None
+    ) -> RefitError:
+        """One typed error for failed calls: what happened and to whom first, each engine's
+        state after it, what recovers it; the first underlying error chained."""
+        shard_of = {w: i for i, ws in self._shards().items() for w in ws}
+        culprits = _culprits(gathered)
+        first, cause = culprits[0] if culprits else (None, None)
+        headline = f"{what} failed"
+        if first is not None:
+            headline += f" on {first.label}: {_one_line(cause)}"
+        others = len(culprits) - 1
+        if others > 0:
+            headline += f" (and {others} more)"
+        engines: list[EngineReport] = []
+        if target is not None:
+            # Engines that did not answer the refit are not asked again (frozen ones would
+            # hold the error back); the others answer at once.
+            fleet = self._fleet_status(
+                Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
+            )
+            engines = _merged(
+                [_engine_report(e, target, self.version) for e in fleet.engines],
+                _reported_engines(gathered),
+            )
+            headline += f"; engines: {_states(engines)}"
+        elif culprits:
+            engines = [
+                EngineReport(shard_of.get(p), p.label, EngineState.UNKNOWN, None, _one_line(e))
+                for p, e in culprits
+                if p in shard_of
+            ]
+            engines = _merged(engines, _reported_engines(gathered))
+        wedged = [p.label for p in gathered.missing]
+        if isinstance(cause, GeometryMismatchError):
+            error: RefitError = GeometryMismatchError(headline, engines=engines)
+        elif (
+            wedged
+            or deadline.expired()
+            or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
+        ):
+            error = RefitTimeoutError(headline, wedged_workers=wedged, engines=engines)
+        else:
+            error = RefitError(
+                headline, recovery=Recovery.RECOVER, wedged_workers=wedged, engines=engines
+            )
+        error.__cause__ = cause
+        return error
 
     def _control_wait_s(self, deadline: Deadline) -> float:
         remaining = deadline.remaining_s()
@@ -353,20 +491,76 @@ def _require_one_digest(gathered: Gathered) -> str:
     return next(iter(by_digest))
 
 
-def _failure(what: str, gathered: Gathered, deadline: Deadline) -> RefitError:
-    """One error for a set of failed calls: geometry first, then timeout, then the rest."""
-    for participant, error in gathered.errors.items():
-        if isinstance(error, GeometryMismatchError):
-            return GeometryMismatchError(f"{what}: {participant.label}: {error}")
-    details = "; ".join(f"{p.label}: {type(e).__name__}: {e}" for p, e in gathered.errors.items())
-    wedged = [p.label for p in gathered.missing]
-    message = f"{what} failed: {details or 'no error reported'}"
-    if wedged:
-        message += f"; no answer by the deadline from {', '.join(wedged)} (wedged or dead)"
-    timed_out = (
-        bool(wedged)
-        or deadline.expired()
-        or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
-    )
-    error_type = RefitTimeoutError if timed_out else RefitError
-    return error_type(message, is_retryable=True, wedged_workers=wedged)
+def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | None]]:
+    """Who failed, the likely root cause first: a participant's own failure (a dead actor,
+    a refused geometry), then the silent ones (frozen or wedged), then the peers that only
+    timed out or were aborted because of them."""
+
+    def rank(error: BaseException | None) -> int:
+        if error is None:
+            return 1
+        if isinstance(error, RefitAbortedError):
+            return 4
+        if isinstance(error, RefitTimeoutError):
+            return 3
+        return 2 if isinstance(error, RefitError) else 0
+
+    failed: list[tuple[Participant, BaseException | None]] = [
+        *gathered.errors.items(),
+        *((p, None) for p in gathered.missing),
+    ]
+    return sorted(failed, key=lambda item: rank(item[1]))
+
+
+def _one_line(error: BaseException | None) -> str:
+    if error is None:
+        return "no answer (wedged or dead)"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _engine_status(shard: int, worker: Participant, gathered: Gathered) -> EngineStatus:
+    label = worker.label
+    if worker in gathered.missing or worker in gathered.errors:
+        detail = _one_line(gathered.errors.get(worker))
+        return EngineStatus(shard, label, EngineHealth.UNREACHABLE, detail=detail)
+    status = gathered.results[worker]
+    if status.closed:
+        reason = status.abort_cause or "its weights changed since the last commit"
+        return EngineStatus(shard, label, EngineHealth.CLOSED, detail=reason)
+    return EngineStatus(shard, label, EngineHealth.SERVING, status.committed_version)
+
+
+def _engine_report(engine: EngineStatus, target: int, previous: int) -> EngineReport:
+    if engine.health is EngineHealth.UNREACHABLE:
+        return EngineReport(engine.shard, engine.worker, EngineState.UNKNOWN, None, engine.detail)
+    if engine.health is EngineHealth.CLOSED:
+        return EngineReport(engine.shard, engine.worker, EngineState.CLOSED, None, engine.detail)
+    state = EngineState.NEW if engine.version == target else EngineState.OLD
+    if engine.version not in (target, previous):
+        state = EngineState.UNKNOWN
+    return EngineReport(engine.shard, engine.worker, state, engine.version)
+
+
+def _states(engines: Sequence[EngineReport]) -> str:
+    by_state: dict[str, list[str]] = {}
+    for engine in engines:
+        by_state.setdefault(engine.state.value, []).append(engine.worker)
+    return ", ".join(f"{state} {who}" for state, who in by_state.items()) or "none"
+
+
+def _reported_engines(gathered: Gathered) -> list[EngineReport]:
+    """The engine states the failed calls reported themselves (a vLLM engine's workers know
+    whether its model was written; one report per engine: its workers repeat it)."""
+    reports: dict[tuple[int | None, str], EngineReport] = {}
+    for error in gathered.errors.values():
+        for report in getattr(error, "engines", ()):
+            reports.setdefault((report.shard, report.worker), report)
+    return list(reports.values())
+
+
+def _merged(fleet: list[EngineReport], reported: list[EngineReport]) -> list[EngineReport]:
+    """Fleet reports, each replaced by what its engine reported itself, if it did."""
+    own = {e.worker: e for e in reported}
+    merged = [own.pop(e.worker, e) for e in fleet]
+    return merged + list(own.values())

@@ -7,8 +7,10 @@ buckets from the update info by its packing rule. So this trainer hosts the grou
 rendezvous (``GroupSpec.rendezvous="vllm"``: vLLM's store keys and one-element zero warm-up,
 see :mod:`refit_nccl.rendezvous`), runs no plan-digest handshake, and packs by vLLM's rule
 (``CollectiveSenderSpec.peer == "vllm"``; check the receiver's geometry with
-:func:`refit_nccl.require_vllm_defaults`). Every call keeps refit's deadline: per-call
-timeouts, abort, ``RefitTimeoutError``.
+:func:`refit_nccl.require_vllm_defaults`). On the ``nccl`` backend the group's communicator is
+vLLM's own ``PyNcclCommunicator`` (:mod:`refit_nccl.vllm_native`), so a CUDA trainer without
+vLLM reports that it cannot join one, and the controller refuses with the install line. Every
+call keeps refit's deadline: per-call timeouts or ``ncclCommAbort``, ``RefitTimeoutError``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import logging
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats, send_packed
+from refit_nccl.devices import DeviceReport, DeviceType, local_device
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.peer import PeerTrainer
 from refit_nccl.plan import TransferPlan
 from refit_nccl.roles import JoinRequest, StateItems
 from refit_nccl.storage import StagingBuffers
+from refit_nccl.vllm_native.availability import VLLM_INSTALL_HINT, vllm_nccl_missing
 
 __all__ = ["VllmPeerTrainer"]
 
@@ -35,13 +39,22 @@ class VllmPeerTrainer(PeerTrainer[TransferPlan]):
 
     Args:
         policy: where the weights come from; ``weight_source()`` is read on every refit.
+        device: where the policy's tensors live; None: this process's device.
     """
 
     engines = "a vLLM-protocol"
 
-    def __init__(self, policy: PolicyLike) -> None:
-        super().__init__(policy)
+    def __init__(self, policy: PolicyLike, device: DeviceType | None = None) -> None:
+        super().__init__(policy, device)
         self._staging = StagingBuffers()
+
+    def refit_device(self) -> DeviceReport:
+        """On CUDA this trainer joins vLLM's NCCL data plane only where vLLM imports."""
+        device = self._device or local_device()
+        missing = vllm_nccl_missing() if device == "cuda" else ""
+        if missing:
+            return DeviceReport.lacking(device, missing, VLLM_INSTALL_HINT)
+        return DeviceReport.of(device)
 
     def _build_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
         if geometry.peer != "vllm":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import uuid
 
 from refit_core.backend import LocalParticipant, PolicyLike, RendezvousCluster, SynchronizerRequest
 from refit_nccl import CollectiveOptions, CollectiveTrainerRole
@@ -90,7 +91,11 @@ def build_disaggregated_synchronizer(request: SynchronizerRequest) -> SGLangColl
         rendezvous,
         refit_timeout_s=deadline_s,
         options=CollectiveOptions(
-            control_timeout_s=settings.control_timeout_s, group_name="refit-sglang"
+            control_timeout_s=settings.control_timeout_s,
+            # SGLang keeps a group by name until it is destroyed and refuses a second one of
+            # that name: a trainer restarted against a server whose old group was never
+            # destroyed (a crash, an engine that stayed wedged) must not reuse the name.
+            group_name=f"refit-sglang-{uuid.uuid4().hex[:12]}",
         ),
     )
 

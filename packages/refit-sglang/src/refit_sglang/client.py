@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
 
 import httpx
 
@@ -19,6 +20,8 @@ from refit_core import RefitError, RefitTimeoutError, WorkerError
 __all__ = ["HttpClient", "SGLangClient", "UnsupportedEngineError"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class UnsupportedEngineError(RefitError, TypeError):
@@ -41,6 +44,11 @@ class SGLangClient(ABC):
     @abstractmethod
     def tp_size(self) -> int:
         """Tensor-parallel ranks of the engine (each gets its own copy of a payload)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The engine's device type (SGLang's ``server_args.device``: ``cuda``, ``cpu``...)."""
 
     @abstractmethod
     def require(self, routes: Collection[str]) -> None:
@@ -66,7 +74,7 @@ class HttpClient(SGLangClient):
         super().__init__(base_url.rstrip("/"))
         self._control_timeout_s = control_timeout_s
         self._http = httpx.Client(base_url=self.label)
-        self._tp_size: int | None = None
+        self._server_info: dict[str, object] | None = None
 
     @property
     def bounded(self) -> bool:
@@ -80,16 +88,28 @@ class HttpClient(SGLangClient):
     @property
     def tp_size(self) -> int:
         """``tp_size`` from ``GET /get_server_info`` (asked once)."""
-        if self._tp_size is None:
-            try:
+        return self._server_arg("tp_size", int)
+
+    @property
+    def device(self) -> str:
+        """``device`` from ``GET /get_server_info`` (asked once)."""
+        return self._server_arg("device", str)
+
+    def _server_arg(self, name: str, kind: Callable[[Any], _T]) -> _T:
+        """One field of the server's ``GET /get_server_info`` (fetched once) as ``kind``."""
+        try:
+            if self._server_info is None:
                 reply = self._http.get("/get_server_info", timeout=self._control_timeout_s)
                 reply.raise_for_status()
-                self._tp_size = int(reply.json()["tp_size"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                raise WorkerError(
-                    f"cannot read tp_size: {exc}", worker=self.label, operation="get_server_info"
-                ) from exc
-        return self._tp_size
+                info = reply.json()
+                if not isinstance(info, dict):
+                    raise TypeError(f"server info is a {type(info).__name__}, not an object")
+                self._server_info = info
+            return kind(self._server_info[name])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise WorkerError(
+                f"cannot read {name}: {exc!r}", worker=self.label, operation="get_server_info"
+            ) from exc
 
     def call(self, route: str, body: Mapping[str, object], timeout_s: float | None) -> None:
         """POST ``body`` to ``/route``; ``timeout_s`` None means the control timeout."""

@@ -3,8 +3,8 @@
 Each bucket is flattened into a buffer the engine can map (shared memory on CPU, CUDA IPC on
 GPU) by a :class:`~refit_sglang.sources.BucketSource` (one in-process policy, or trainer ranks
 gathering to the engine's first rank through Ray), passed to every engine's
-``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (one payload copy per
-tensor-parallel rank), and released as soon as every engine has answered. The last bucket carries the weight version; the cache is
+``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` (one serialization per
+tensor-parallel rank: each is that rank's own reference), and released as soon as every engine has answered. The last bucket carries the weight version; the cache is
 flushed before generation continues.
 """
 
@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from contextlib import closing
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 
-from refit_core import RefitResult, WeightSynchronizer, WorkerOutcome
+from refit_core import (
+    EngineReport,
+    EngineState,
+    RefitError,
+    RefitResult,
+    RefitTimeoutError,
+    WeightSynchronizer,
+    WorkerOutcome,
+)
 from refit_core.backend import Deadline, PolicyLike
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import (
@@ -122,13 +130,25 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
         options = self._options
         started = time.monotonic()
         nbytes = buckets = 0
-        with paused(self._clients, options.pause_mode, deadline, options.control_timeout_s):
-            with closing(self.source.payloads(options.bucket_size_bytes, deadline)) as payloads:
-                for payload in payloads:
-                    deadline.check(f"bucket {buckets} of version {version}")
-                    self._send(payload, str(version) if payload.last else None, deadline)
-                    nbytes += payload.nbytes
-                    buckets += 1
+        progress = _Progress(self._clients)
+        with paused(
+            self._clients, options.pause_mode, deadline, options.control_timeout_s
+        ) as closed:
+            try:
+                copies = sum(client.tp_size for client in self._clients)
+                with closing(
+                    self.source.payloads(options.bucket_size_bytes, copies, deadline)
+                ) as payloads:
+                    for payload in payloads:
+                        deadline.check(f"bucket {buckets} of version {version}")
+                        self._send(payload, version, deadline, progress)
+                        nbytes += payload.nbytes
+                        buckets += 1
+            except Exception as exc:
+                closed.update(progress.closed())
+                if isinstance(exc, RefitError):
+                    exc.engines = progress.reports(self.version, version)
+                raise
             moved = time.monotonic()
             flush_caches(self._clients, deadline, options.control_timeout_s)
         finished = time.monotonic()
@@ -144,23 +164,90 @@ class ColocatedSGLangSynchronizer(WeightSynchronizer):
             workers=tuple(WorkerOutcome(c.label, True, version) for c in self._clients),
         )
 
-    def _send(self, payload: Payload, weight_version: str | None, deadline: Deadline) -> None:
-        """Hand ``payload`` to every engine (its buffer lives until the source moves on)."""
+    def _send(
+        self, payload: Payload, version: int, deadline: Deadline, progress: _Progress
+    ) -> None:
+        """Hand ``payload`` to every engine, each rank its own serialization (the buffer
+        lives until the source moves on); the last bucket carries ``version``."""
+        start = 0
         for client in self._clients:
+            own = payload.serialized[start : start + client.tp_size]
+            start += client.tp_size
             body: dict[str, object] = {
-                "serialized_named_tensors": [payload.serialized] * client.tp_size,
+                "serialized_named_tensors": list(own),
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
             }
-            if weight_version is not None:
-                body["weight_version"] = weight_version
-            client.call(
-                "update_weights_from_tensor",
-                body,
-                deadline.timeout_for(self._options.control_timeout_s),
-            )
+            if payload.last:
+                body["weight_version"] = str(version)
+            with progress.sending(client, payload.last):
+                client.call(
+                    "update_weights_from_tensor",
+                    body,
+                    deadline.timeout_for(self._options.control_timeout_s),
+                )
 
     def _shutdown(self) -> None:
         self.source.close()
         for client in self._clients:
             client.close()
+
+
+class _Progress:
+    """How far each engine got in one refit, and what that leaves it serving on a failure.
+
+    An engine that took no bucket serves its previous version; one that took every bucket
+    (the last carries the version) serves the new one. One that took some, or whose update
+    call failed (SGLang loads a bucket tensor by tensor and says its weights are then
+    partially updated), holds mixed weights: it stays paused (closed) until a complete
+    refit. One whose call got no answer may still be inside it (unknown, wedged).
+    """
+
+    def __init__(self, clients: Sequence[SGLangClient]) -> None:
+        self._clients = tuple(clients)
+        self._taken = dict.fromkeys(self._clients, 0)
+        self._finished: set[SGLangClient] = set()
+        self._failed: dict[SGLangClient, RefitError] = {}
+
+    @contextmanager
+    def sending(self, client: SGLangClient, last: bool) -> Iterator[None]:
+        """Count one bucket into ``client`` once its call answered; note a failed call."""
+        try:
+            yield
+        except RefitError as exc:
+            self._failed[client] = exc
+            raise
+        self._taken[client] += 1
+        if last:
+            self._finished.add(client)
+
+    def _state(self, client: SGLangClient) -> EngineState:
+        failure = self._failed.get(client)
+        if isinstance(failure, RefitTimeoutError):
+            return EngineState.UNKNOWN
+        if failure is not None:
+            return EngineState.CLOSED
+        if client in self._finished:
+            return EngineState.NEW
+        return EngineState.OLD if self._taken[client] == 0 else EngineState.CLOSED
+
+    def closed(self) -> list[SGLangClient]:
+        """Engines that must stay paused."""
+        old_or_new = (EngineState.OLD, EngineState.NEW)
+        return [c for c in self._clients if self._state(c) not in old_or_new]
+
+    def reports(self, previous: int, target: int) -> tuple[EngineReport, ...]:
+        """One report per engine (shard = its index in the synchronizer's clients)."""
+        versions = {EngineState.OLD: previous, EngineState.NEW: target}
+        reports = []
+        for shard, client in enumerate(self._clients):
+            state = self._state(client)
+            failure = self._failed.get(client)
+            if failure is not None:
+                reason: str | None = str(failure)
+            elif state is EngineState.CLOSED:
+                reason = f"took {self._taken[client]} buckets before the refit failed"
+            else:
+                reason = None
+            reports.append(EngineReport(shard, client.label, state, versions.get(state), reason))
+        return tuple(reports)

@@ -87,6 +87,11 @@ class EngineClient(SGLangClient):
         """``engine.server_args.tp_size``."""
         return int(self._engine.server_args.tp_size)
 
+    @property
+    def device(self) -> str:
+        """``engine.server_args.device``."""
+        return str(self._engine.server_args.device)
+
     def require(self, routes: Collection[str]) -> None:
         """Check that every route can be called with the fields refit sets."""
         problems = [problem for route in routes for problem in self._calls.missing(route)]

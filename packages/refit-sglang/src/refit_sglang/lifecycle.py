@@ -50,22 +50,25 @@ def check_pause_mode(mode: str) -> PauseMode:
 @contextmanager
 def paused(
     clients: Sequence[SGLangClient], mode: PauseMode, deadline: Deadline, control_timeout_s: float
-) -> Iterator[None]:
-    """Pause generation on every client for the block; continue those that paused, always.
+) -> Iterator[set[SGLangClient]]:
+    """Pause generation on every client for the block; continue those that paused, unless
+    the block put them in the set it is given: those stay paused (closed), because they may
+    hold part of the new weights, or are still inside an update refit could not end.
 
     A failure to continue is raised after the block unless the block itself failed (then it
     is logged, and the block's error wins).
     """
     resumed: list[SGLangClient] = []
+    closed: set[SGLangClient] = set()
     try:
         for client in clients:
             client.call("pause_generation", {"mode": mode}, deadline.timeout_for(control_timeout_s))
             resumed.append(client)
-        yield
+        yield closed
     except BaseException:
-        _continue(resumed, control_timeout_s, raising=False)
+        _continue([c for c in resumed if c not in closed], control_timeout_s, raising=False)
         raise
-    _continue(resumed, control_timeout_s, raising=True)
+    _continue([c for c in resumed if c not in closed], control_timeout_s, raising=True)
 
 
 def _continue(clients: Sequence[SGLangClient], timeout_s: float, *, raising: bool) -> None:

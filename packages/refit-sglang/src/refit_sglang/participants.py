@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from refit_core import GeometryMismatchError
+from refit_core import GeometryMismatchError, WorkerError
 from refit_core.backend import (
     CollectiveSenderSpec,
     Deadline,
@@ -30,7 +30,7 @@ from refit_core.backend import (
     method_name,
 )
 from refit_nccl import CollectiveEngineRole
-from refit_nccl.backend import JoinRequest, TransferStats
+from refit_nccl.backend import DeviceReport, JoinRequest, TransferStats
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import LIFECYCLE_ROUTES, PauseMode, flush_caches, paused
 from refit_sglang.plan import DistributedPlan, StateItems, sglang_geometry
@@ -94,6 +94,20 @@ class SGLangRankEndpoint(CollectiveEngineRole):
         except Exception as exc:
             logger.warning("%s: leaving the weight-update group failed: %s", self.label, exc)
 
+    def refit_device(self) -> DeviceReport:
+        """The engine's device (its server args); SGLang joins a group of the backend the
+        init call names, so a CUDA engine can take NCCL or gloo."""
+        device = self._client.device
+        if device == "cuda":
+            return DeviceReport.of("cuda")
+        if device == "cpu":
+            return DeviceReport.of("cpu")
+        raise WorkerError(
+            f"device {device!r}: refit's collective moves CPU or CUDA tensors",
+            worker=self.label,
+            operation="refit_device",
+        )
+
     def refit_geometry(self) -> CollectiveSenderSpec:
         """The geometry SGLang receives with."""
         return self._geometry
@@ -156,22 +170,35 @@ class SGLangRankEndpoint(CollectiveEngineRole):
         return TransferStats.since(started, *sizes)
 
     def _refit(self, plan: DistributedPlan, group_name: str, version: int) -> None:
-        """Pause, receive every bucket, flush, and continue generation whatever happens."""
+        """Pause, receive every bucket, flush, and continue generation, unless the engine
+        may hold part of the new weights (then it stays paused: closed)."""
         never = Deadline.never()
         settings = self._settings
-        with paused([self._client], settings.pause_mode, never, settings.control_timeout_s):
-            for index, bucket in enumerate(plan.buckets):
-                body: dict[str, object] = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [s.dtype for _, s in bucket],
-                    "shapes": [list(s.shape) for _, s in bucket],
-                    "group_name": group_name,
-                    "flush_cache": False,
-                }
-                if index == len(plan.buckets) - 1:
-                    body["weight_version"] = str(version)
-                self._sglang("update_weights_from_distributed", body)
+        with paused(
+            [self._client], settings.pause_mode, never, settings.control_timeout_s
+        ) as closed:
+            try:
+                self._receive(plan, group_name, version)
+            except Exception:
+                # SGLang loads a bucket tensor by tensor: after a failed or unanswered
+                # update the engine may hold mixed weights, so it stays paused (closed).
+                closed.add(self._client)
+                raise
             flush_caches([self._client], never, settings.control_timeout_s)
+
+    def _receive(self, plan: DistributedPlan, group_name: str, version: int) -> None:
+        """One ``update_weights_from_distributed`` per bucket; the last carries ``version``."""
+        for index, bucket in enumerate(plan.buckets):
+            body: dict[str, object] = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [s.dtype for _, s in bucket],
+                "shapes": [list(s.shape) for _, s in bucket],
+                "group_name": group_name,
+                "flush_cache": False,
+            }
+            if index == len(plan.buckets) - 1:
+                body["weight_version"] = str(version)
+            self._sglang("update_weights_from_distributed", body)
 
     def _sglang(self, route: str, body: dict[str, object]) -> None:
         self._client.call(route, body, self._settings.control_timeout_s)

@@ -56,14 +56,20 @@ class TrainerRank:
         return [self._take(name) for name in names]
 
     def refit_gather(
-        self, names: Sequence[str], owners: Sequence[int], rank: int, *pieces: list[torch.Tensor]
-    ) -> tuple[str, int]:
-        """Flatten one bucket into a buffer the engine maps; ``(payload, nbytes)``.
+        self,
+        names: Sequence[str],
+        owners: Sequence[int],
+        rank: int,
+        copies: int,
+        *pieces: list[torch.Tensor],
+    ) -> tuple[list[str], int]:
+        """Flatten one bucket into a buffer the engine maps; ``(payloads, nbytes)``.
 
         Args:
             names: the bucket's tensors, in bucket order.
             owners: per name, the rank that holds it.
             rank: this rank's index.
+            copies: payloads to make (one per receiving engine rank).
             pieces: per other owner, in order of their first name, its tensors in bucket order.
         """
         others = {owner for owner in owners if owner != rank}
@@ -77,7 +83,7 @@ class TrainerRank:
         ]
         self.refit_release()
         bucket = self._live = FlattenedBucket.build(items, self.buffers.allocate)
-        return self.buffers.serialize(bucket), bucket.nbytes
+        return self.buffers.serialize(bucket, copies), bucket.nbytes
 
     def refit_release(self) -> None:
         """Release the bucket buffer the engines have consumed."""

@@ -67,7 +67,7 @@ class RayTrainerRanks(BucketSource):
         self._control_timeout_s = control_timeout_s
 
     def payloads(
-        self, bucket_size_bytes: int, deadline: Deadline
+        self, bucket_size_bytes: int, copies: int, deadline: Deadline
     ) -> Generator[Payload, None, None]:
         """Gather, yield, release: one bucket alive at a time, every rank reset at the end."""
         manifests = self._all("refit_manifest", deadline)
@@ -80,8 +80,8 @@ class RayTrainerRanks(BucketSource):
                 lambda i: i[1].numel * _itemsize(i[1]),
                 bucket_size_bytes,
             ):
-                serialized, nbytes = self._gather(group, deadline)
-                yield Payload(serialized, nbytes, last)
+                serialized, nbytes = self._gather(group, copies, deadline)
+                yield Payload(tuple(serialized), nbytes, last)
                 self._get(
                     self._root,
                     self._ranks[self._root].refit_release.remote(),
@@ -94,7 +94,7 @@ class RayTrainerRanks(BucketSource):
     def close(self) -> None:
         """Nothing to release: the actors belong to whoever created them."""
 
-    def _gather(self, group: list[_Item], deadline: Deadline) -> tuple[str, int]:
+    def _gather(self, group: list[_Item], copies: int, deadline: Deadline) -> tuple[list[str], int]:
         root = self._root
         names = [name for name, _, _ in group]
         owners = [owner for _, _, owner in group]
@@ -105,9 +105,9 @@ class RayTrainerRanks(BucketSource):
             )
             for owner in order
         }
-        ref = self._ranks[root].refit_gather.remote(names, owners, root, *pieces.values())
+        ref = self._ranks[root].refit_gather.remote(names, owners, root, copies, *pieces.values())
         try:
-            result: tuple[str, int] = self._get(root, ref, "refit_gather", deadline)
+            result: tuple[list[str], int] = self._get(root, ref, "refit_gather", deadline)
         except RefitError as exc:
             raise self._blame(pieces, exc) from exc
         return result

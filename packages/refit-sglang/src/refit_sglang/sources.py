@@ -20,9 +20,16 @@ __all__ = ["BucketSource", "LocalBuckets", "Payload"]
 
 @dataclass(frozen=True)
 class Payload:
-    """One flattened bucket as SGLang's serialized payload string, and its size."""
+    """One flattened bucket as SGLang's serialized payload strings, and its size.
 
-    serialized: str
+    Attributes:
+        serialized: one payload per receiving rank (each unpickles only its own: every
+            serialization is one reference to the buffer).
+        nbytes: bytes of the bucket.
+        last: whether this is the refit's last bucket.
+    """
+
+    serialized: tuple[str, ...]
     nbytes: int
     last: bool
 
@@ -33,9 +40,10 @@ class BucketSource(ABC):
 
     @abstractmethod
     def payloads(
-        self, bucket_size_bytes: int, deadline: Deadline
+        self, bucket_size_bytes: int, copies: int, deadline: Deadline
     ) -> Generator[Payload, None, None]:
-        """The buckets of the current weights, one at a time (``close()`` releases them)."""
+        """The buckets of the current weights, one at a time, each serialized ``copies``
+        times (one per receiving rank); ``close()`` releases them."""
 
     @abstractmethod
     def close(self) -> None:
@@ -51,14 +59,15 @@ class LocalBuckets(BucketSource):
         """The bucket buffers (``live_bytes`` and ``peak_bytes`` show when they are freed)."""
 
     def payloads(
-        self, bucket_size_bytes: int, deadline: Deadline
+        self, bucket_size_bytes: int, copies: int, deadline: Deadline
     ) -> Generator[Payload, None, None]:
         """Flatten, serialize, yield, release: one bucket alive at a time."""
         tensors = ((t.name, t.tensor) for t in self._policy.weight_source().iter_tensors())
         try:
             for bucket, last in iter_buckets(tensors, bucket_size_bytes, self.buffers.allocate):
                 try:
-                    yield Payload(self.buffers.serialize(bucket), bucket.nbytes, last)
+                    serialized = tuple(self.buffers.serialize(bucket, copies))
+                    yield Payload(serialized, bucket.nbytes, last)
                 finally:
                     self.buffers.release(bucket)
         finally:

@@ -3,12 +3,19 @@ broadcasts each tensor of each bucket while the engines receive it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from refit_core import ProtocolError
 from refit_core.backend import CollectiveSenderSpec, Deadline
-from refit_nccl.backend import AbortableProcessGroup, PeerTrainer, TransferStats
+from refit_nccl.backend import (
+    AbortableProcessGroup,
+    GroupSpec,
+    JoinRequest,
+    PeerTrainer,
+    TransferStats,
+)
 from refit_sglang.plan import DistributedPlan, StateItems
 
 __all__ = ["SGLangPeerTrainer"]
@@ -28,6 +35,11 @@ class SGLangPeerTrainer(PeerTrainer[DistributedPlan]):
 
     def _build_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> DistributedPlan:
         return DistributedPlan.build(state, geometry)
+
+    def _group_spec(self, request: JoinRequest) -> GroupSpec:
+        """SGLang's engines join with ``init_custom_process_group``: its store keys, no
+        warm-up (:mod:`refit_nccl.rendezvous`, ``"sglang"``)."""
+        return dataclasses.replace(request.group, rendezvous="sglang")
 
     def _send(
         self, group: AbortableProcessGroup, plan: DistributedPlan, version: int, deadline: Deadline

@@ -10,6 +10,7 @@ VLLM_IPC = BackendRow(
     transport="ipc",
     builder="refit_zmq.ipc.builder:build_ipc_synchronizer",
     description="ZMQ control + CUDA IPC handles (shared memory on CPU)",
+    on_failure="previous version (staged: default); closed until a complete refit (streamed)",
     default=True,
     options="refit_zmq.ipc:IpcOptions",
 )
@@ -20,5 +21,9 @@ VLLM_ZMQ_SPARSE = BackendRow(
     transport="zmq_sparse",
     builder="refit_zmq.sparse.builder:build_zmq_sparse_synchronizer",
     description="sparse deltas over the transactional ZMQ relay tree",
+    on_failure=(
+        "previous version, bit for bit; closed until a complete refit if loading a committed "
+        "delta into the model fails"
+    ),
     options="refit_zmq.sparse:ZmqSparseOptions",
 )

@@ -7,10 +7,10 @@ import tempfile
 
 import pytest
 import torch
-from ipc_children import serve_cuda_engine
 
 from refit_core import TensorSpec
 from refit_core.sources import StateDictSource
+from refit_lab.cuda_engine import serve_cuda_engine
 from refit_lab.digest import state_digest
 from refit_lab.faults import ProcessGang
 from refit_zmq.ipc import IpcOptions, IpcWeightSynchronizer

@@ -7,8 +7,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import FIELDS, PROTOCOL, Kind, encode
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import FIELDS, PROTOCOL, Kind, encode
 
 _SIGNER = Signer(None)
 _IDS = st.from_regex(r"[A-Za-z0-9_.:@/+-]{0,130}", fullmatch=True)
@@ -32,6 +32,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "relay": _ADDRESSES,
     "relay_root": st.none() | _ADDRESSES,
     "own_address": _ADDRESSES,
+    "transfer_id": st.from_regex(r"v[0-9]{1,3}-[0-9a-f]{15,17}", fullmatch=True) | _IDS,
 }
 _NUMBERS = st.integers(-1, 2**64) | st.floats(-1, 1e6, allow_nan=False) | st.booleans()
 
@@ -66,8 +67,8 @@ def structured(draw: st.DrawFn) -> list[bytes]:
 @st.composite
 def mutated(draw: st.DrawFn) -> list[bytes]:
     """A valid DATA, BEGIN or FLUSH message with one byte flipped, a frame cut or added."""
-    fields = {
-        "transfer_id": "t1",
+    fields: dict[str, Any] = {
+        "transfer_id": "v1-00000000000000a1",
         "producer_id": "p",
         "payload_id": "0",
         "checksum": "a" * 32,
@@ -77,7 +78,7 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
     kind = draw(st.sampled_from([Kind.DATA, Kind.BEGIN]))
     if kind is Kind.BEGIN:
         del fields["offset"]
-        fields["verification_candidates"] = 1
+        fields.update(verification_candidates=1, base=None, target=1, deadline_s=5.0)
     frames = [
         bytes(f) for f in encode(kind, fields, _SIGNER, b"12345678" if kind is Kind.DATA else None)
     ]

@@ -8,10 +8,13 @@ Every child is killed when its fleet closes, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,9 +28,12 @@ from refit_core.sources import StateDictSource
 from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
+    AbortReply,
+    CommitReply,
     CurveConfig,
     PayloadSink,
     RelayCoordinator,
+    RelayStatus,
     RelayTuning,
     ShardProducer,
     TensorReceiver,
@@ -115,11 +121,11 @@ class FaultyReceiver(TensorReceiver):
             self._fail_once.discard(method)
             raise RuntimeError(f"injected {method} failure")
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
+    def commit(self, transfer_id: str) -> CommitReply:
         self._maybe_fail("commit")
         return super().commit(transfer_id)
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
+    def rollback(self, transfer_id: str) -> AbortReply:
         self._maybe_fail("rollback")
         return super().rollback(transfer_id)
 
@@ -161,9 +167,85 @@ def serve_relay(conn: multiprocessing.connection.Connection, spec: RelaySpec) ->
 def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "zmq", "refit_zmq.relay", "relay_helpers"])
+        preload = ["torch", "zmq", "refit_zmq.relay", "refit_zmq.relay.cli", "relay_helpers"]
+        context.set_forkserver_preload(preload)
         return context
     return multiprocessing.get_context("spawn")
+
+
+class _Announcer(io.TextIOBase):
+    """A relay process's stdout: its announcement line goes to the parent over a pipe."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self._conn = conn
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        while "\n" in self._line:
+            line, self._line = self._line.split("\n", 1)
+            self._conn.send(line)
+        return len(text)
+
+
+def launch_relay(argv: list[str], conn: multiprocessing.connection.Connection) -> None:
+    """Child main: ``python -m refit_zmq.relay`` with ``argv``, its stdout sent to the
+    parent (the process was forked from a server with torch loaded: no interpreter start)."""
+    from refit_zmq.relay.cli import main
+
+    sys.stdout = _Announcer(conn)
+    sys.exit(main(argv))
+
+
+@dataclass
+class LaunchedRelay:
+    """One relay process started by the launcher."""
+
+    process: multiprocessing.process.BaseProcess
+    address: str
+    pid: int
+    stopped: bool = False
+
+    @property
+    def alive(self) -> bool:
+        """Running (or frozen), not dead."""
+        return self.process.is_alive()
+
+    def signal(self, signum: signal.Signals) -> None:
+        """Send ``signum`` (SIGKILL, SIGSTOP, SIGCONT) to the relay."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+        if signum == signal.SIGSTOP:
+            self.stopped = True
+        elif signum in (signal.SIGCONT, signal.SIGKILL):
+            self.stopped = False
+        if signum == signal.SIGKILL:
+            self.process.join(10)
+
+    def close(self) -> None:
+        """End the relay, whatever state it is in."""
+        self.signal(signal.SIGKILL)
+
+
+def start_launched(argv: list[str], *, start_timeout_s: float = 120.0) -> LaunchedRelay:
+    """A relay process: the launcher with ``argv`` (``["serve", ...]``), once it listens."""
+    context = _context()
+    parent, child = context.Pipe()
+    process = context.Process(  # type: ignore[attr-defined]
+        target=launch_relay, args=(argv, child), name="launched-relay", daemon=True
+    )
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(start_timeout_s):
+            raise TimeoutError("the launched relay did not announce itself")
+        announced = json.loads(parent.recv())
+    except BaseException:
+        process.kill()
+        raise
+    finally:
+        parent.close()
+    return LaunchedRelay(process, announced["address"], announced["pid"])
 
 
 class RelayFleet:
@@ -302,9 +384,9 @@ def fresh_trainer(
 ) -> Trainer:
     """A trainer on ``make_state(seed)``; every relay is first brought to it by a dense resync."""
     versions = [
-        status["version"]
-        for status in coordinator.reconcile().values()
-        if isinstance(status, dict) and status["version"] is not None
+        status.version
+        for status in coordinator.close_open_transfers().values()
+        if isinstance(status, RelayStatus) and status.version is not None
     ]
     trainer = Trainer(make_state(seed), max(versions, default=0), shard_count)
     trainer.transfer(coordinator, resync=True, **transfer)
@@ -314,6 +396,6 @@ def fresh_trainer(
 def held_digests(coordinator: RelayCoordinator) -> dict[str, dict[str, int] | None]:
     """Relay -> the digests it holds (None for a relay that did not answer)."""
     return {
-        address: status["digests"] if isinstance(status, dict) else None
+        address: dict(status.digests or {}) if isinstance(status, RelayStatus) else None
         for address, status in coordinator.status(digests=True).items()
     }

@@ -8,17 +8,18 @@ from typing import Any
 import pytest
 import zmq
 
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.forwarder import ChildLink, Forward
-from refit_zmq.relay.frames import Kind, Message, encode, parse
-from refit_zmq.relay.link import Link
-from refit_zmq.relay.staging import StagedPayload
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.node.forwarder import ChildLink, Forward
+from refit_zmq.relay.node.staging import StagedPayload
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.link import Link, LinkSettings
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 pytestmark = pytest.mark.timeout(30)
 
 NO_KEY = Signer(None)
-KEY = ("t1", "p", "0")
+T1 = "v1-0000000000000001"
+KEY = (T1, "p", "0")
 
 
 class Events:
@@ -33,11 +34,14 @@ class Events:
     def released(self, forward: Forward) -> None:
         self.log.append(("released", forward.key))
 
-    def acked(self, child: str, forward: Forward, result: dict[str, Any]) -> None:
-        self.log.append(("acked", result))
+    def acked(self, child: str, forward: Forward) -> None:
+        self.log.append(("acked", forward.key))
 
     def failed(self, child: str, forward: Forward, code: str, message: str) -> None:
         self.log.append(("failed", code))
+
+    def deadline_s(self, transfer_id: str) -> float | None:
+        return 7.5
 
 
 @pytest.fixture
@@ -83,7 +87,7 @@ def test_chunks_are_forwarded_as_they_arrive(
     router, address, context = child
     events = Events()
     link = ChildLink(
-        Link(context, address, signer=NO_KEY, curve=None, hwm=16),
+        Link(context, address, LinkSettings(NO_KEY, None, RelayTuning(hwm_messages=16))),
         signer=NO_KEY,
         events=events,
         timeout_s=2.0,
@@ -96,12 +100,20 @@ def test_chunks_are_forwarded_as_they_arrive(
 
 
 def _stream(router: zmq.Socket[bytes], address: str, link: ChildLink, events: Events) -> None:
-    begin = {"checksum": "0" * 32, "verification_candidates": 0, "relay_root": address, "hops": 1}
+    begin = {
+        "checksum": "0" * 32,
+        "verification_candidates": 0,
+        "base": None,
+        "target": 1,
+        "relay_root": address,
+        "hops": 1,
+    }
     staged = StagedPayload(KEY, "0" * 32, 8, address, begin, b"parent")
     staged.write(0, memoryview(b"abcd"))
     link.add(staged)
     identity, offer = _next(router, link)
     assert (offer.kind, offer.number("total_bytes"), offer.number("hops")) == (Kind.BEGIN, 8, 1)
+    assert offer.fields["deadline_s"] == 7.5, "a child gets what is left of the deadline"
     _reply(router, identity, Kind.READY, relay=address, chunk_bytes=4096)
     _until(link, events, "forwarded")
     _, first = _next(router, link)
@@ -112,7 +124,7 @@ def _stream(router: zmq.Socket[bytes], address: str, link: ChildLink, events: Ev
     staged.write(4, memoryview(b"efgh"))
     _, second = _next(router, link)
     assert second.body is not None and (second.number("offset"), bytes(second.body)) == (4, b"efgh")
-    assert ("released", KEY) in events.log and link.busy("t1"), "streamed, awaiting the ACK"
+    assert ("released", KEY) in events.log and link.busy(T1), "streamed, awaiting the ACK"
     _reply(router, identity, Kind.ACK, relay=address, duplicate=False, result={"items": 1})
     _until(link, events, "acked")
-    assert not link.busy("t1")
+    assert not link.busy(T1)

@@ -12,16 +12,17 @@ from frame_strategies import frame_lists
 from hypothesis import event, given, settings
 
 from refit_core import AuthenticationError, ProtocolError
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, Message, encode, parse
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
 
 FUZZ_EXAMPLES = 10_000 if os.environ.get("REFIT_HYPOTHESIS_PROFILE") == "full" else 400
 NO_KEY = Signer(None)
 KEYED = Signer("k3y")
 
+T = "v3-00000000000000ab"
 EXAMPLES: dict[Kind, dict[str, object]] = {
     Kind.BEGIN: {
-        "transfer_id": "v3-ab",
+        "transfer_id": T,
         "producer_id": "shard-0",
         "payload_id": "0.1",
         "checksum": "0f" * 16,
@@ -30,11 +31,12 @@ EXAMPLES: dict[Kind, dict[str, object]] = {
         "relay_root": "tcp://127.0.0.1:1",
         "base": None,
         "target": 3,
+        "deadline_s": 9.5,
         "hops": 0,
     },
-    Kind.READY: {"transfer_id": "t", "producer_id": "p", "payload_id": "1", "relay": "tcp://h:1"},
+    Kind.READY: {"transfer_id": T, "producer_id": "p", "payload_id": "1", "relay": "tcp://h:1"},
     Kind.ACK: {
-        "transfer_id": "t",
+        "transfer_id": T,
         "producer_id": "p",
         "payload_id": "1",
         "relay": "tcp://h:1",
@@ -42,9 +44,9 @@ EXAMPLES: dict[Kind, dict[str, object]] = {
         "result": {"items": 3, "nested": [1, {"a": None}]},
     },
     Kind.NACK: {"code": "BUSY", "message": "full", "relay": "tcp://h:1", "retryable": True},
-    Kind.FLUSH: {"request_id": "r", "transfer_id": "t", "expected_payloads": 3, "wait_s": 2.5},
-    Kind.COMMIT: {"request_id": "r", "transfer_id": "t"},
-    Kind.ABORT: {"request_id": "r", "transfer_id": "t"},
+    Kind.FLUSH: {"request_id": "r", "transfer_id": T, "expected_payloads": 3, "wait_s": 2.5},
+    Kind.COMMIT: {"request_id": "r", "transfer_id": T},
+    Kind.ABORT: {"request_id": "r", "transfer_id": T},
     Kind.STATUS: {"request_id": "r", "digests": True},
     Kind.CONFIGURE: {
         "request_id": "r",
@@ -52,6 +54,7 @@ EXAMPLES: dict[Kind, dict[str, object]] = {
         "own_address": "tcp://b:2",
         "fanout": 2,
     },
+    Kind.OUTCOME: {"request_id": "r", "transfer_id": T},
     Kind.DONE: {"request_id": "r", "relay": "tcp://a:1", "result": {}},
 }
 
@@ -60,12 +63,12 @@ EXAMPLES: dict[Kind, dict[str, object]] = {
 def test_every_kind_round_trips_with_and_without_a_key(kind: Kind) -> None:
     for signer in (NO_KEY, KEYED):
         message = parse(encode(kind, EXAMPLES[kind], signer), signer)
-        expected = {k: v for k, v in EXAMPLES[kind].items() if v is not None}
+        expected = dict(EXAMPLES[kind])
         assert (message.kind, dict(message.fields), message.body) == (kind, expected, None)
 
 
 def test_data_carries_its_chunk() -> None:
-    fields = {"transfer_id": "t", "producer_id": "p", "payload_id": "1", "checksum": "0" * 32}
+    fields = {"transfer_id": T, "producer_id": "p", "payload_id": "1", "checksum": "0" * 32}
     data = encode(Kind.DATA, {**fields, "total_bytes": 9, "offset": 4}, KEYED, b"12345")
     message = parse(data, KEYED)
     assert message.body is not None and bytes(message.body) == b"12345"
@@ -82,7 +85,34 @@ def test_mac_is_checked_before_anything_else() -> None:
         parse(encode(Kind.STATUS, {"request_id": "r"}, NO_KEY), KEYED)
     with pytest.raises(AuthenticationError):
         parse([b"not json at all", b""], KEYED)
+    with pytest.raises(AuthenticationError, match="has no API key"):
+        parse(encode(Kind.STATUS, {"request_id": "r"}, KEYED), NO_KEY)  # a MAC, but no key
     assert "k3y" not in repr(KEYED)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"target": 4}, "transfer id names"),
+        ({"target": None}, "target"),
+        ({"base": 3}, "below the target"),
+        ({"transfer_id": "v3-ab"}, "16 lowercase hex"),
+        ({"transfer_id": "t1"}, "v<target version>"),
+        ({"deadline_s": -1.0}, "deadline_s"),
+    ],
+)
+def test_begin_names_its_target_as_its_transfer_id_does(
+    change: dict[str, object], error: str
+) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        parse(encode(Kind.BEGIN, {**EXAMPLES[Kind.BEGIN], **change}, NO_KEY), NO_KEY)
+
+
+@pytest.mark.parametrize("missing", ["base", "target", "deadline_s"])
+def test_begin_without_versions_or_deadline_is_refused(missing: str) -> None:
+    fields = {k: v for k, v in EXAMPLES[Kind.BEGIN].items() if k != missing}
+    with pytest.raises(ProtocolError, match=f"lacks.*{missing}"):
+        parse(encode(Kind.BEGIN, fields, NO_KEY), NO_KEY)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from relay_helpers import KiB, MiB, Trainer, digests, make_state
 
 from refit_core import ChecksumMismatchError, GeometryMismatchError, ProtocolError, WeightVersion
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload
-from refit_zmq.relay.payload_stream import PayloadStream
+from refit_zmq.relay.apply.payload_stream import PayloadStream
 
 
 @pytest.fixture(params=["resync", "delta"])
@@ -30,7 +30,12 @@ def payloads(request: pytest.FixtureRequest) -> Iterator[tuple[list[DeltaPayload
 
 def _stream(tensors: dict[str, torch.Tensor], version: int | None, **kw: object) -> PayloadStream:
     current = None if version is None else WeightVersion(version)
-    options = {"admit": lambda layout: None, "candidates": 64, "rng": np.random.default_rng(0)}
+    options = {
+        "admit": lambda layout: None,
+        "candidates": 64,
+        "rng": np.random.default_rng(0),
+        "chunked": False,  # pieces of any size; the frame rule has its own test
+    }
     options.update(kw)
     return PayloadStream(tensors, current, **options)  # type: ignore[arg-type]
 
@@ -175,3 +180,32 @@ def test_undo_of_a_finished_stream_restores_the_old_bits() -> None:
     undo = UndoLog(list(stream.undo.entries))
     undo.restore()
     assert digests(tensors) == before
+
+
+def test_a_chunk_holding_bytes_of_two_frames_is_refused_and_undone(
+    payloads: tuple[list[DeltaPayload], int | None],
+) -> None:
+    encoded, version = payloads
+    payload = max(encoded, key=lambda p: p.nbytes)
+    frames = [bytes(memoryview(frame).cast("B")) for frame in payload.frames]
+    tensors = make_state(1 if version is not None else 2)
+    before = digests(tensors)
+    aligned = _stream(tensors, version, chunked=True)
+    for frame in frames:
+        aligned.feed(frame)
+    aligned.finish(payload.checksum)
+    assert digests(tensors) != before, "frame-aligned chunks apply"
+    aligned.undo.restore()
+
+    for split in (0, len(frames) - 2):  # frame 0 with the next frame's first byte, or later
+        crossing = _stream(tensors, version, chunked=True)
+        for index, frame in enumerate(frames):
+            if index == split:
+                crossing.feed(frame + frames[index + 1][:1])
+            elif index == split + 1:
+                crossing.feed(frame[1:])
+            else:
+                crossing.feed(frame)
+        with pytest.raises(ProtocolError, match="two frames"):
+            crossing.finish(payload.checksum)
+        assert digests(tensors) == before, "nothing of the payload may stay applied"

@@ -18,11 +18,13 @@ from refit_core import (
 )
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
+    AbortReply,
+    CommitReply,
     StaleTransferError,
     TensorReceiver,
     TransferConflictError,
 )
-from refit_zmq.relay.receiver import as_receiver
+from refit_zmq.relay.apply.receiver import as_receiver
 
 
 @pytest.fixture
@@ -40,11 +42,18 @@ def _payloads(trainer: Trainer, seed: int = 5) -> list[DeltaPayload]:
     return list(trainer.shards[0].tracker.encode(trainer.state, target))
 
 
-def _meta(payload: DeltaPayload, transfer: str = "t1", candidates: int = 64) -> dict[str, Any]:
+T1 = "v4-0000000000000001"
+T2 = "v4-0000000000000002"
+
+
+def _meta(payload: DeltaPayload, transfer: str = T1, candidates: int = 64) -> dict[str, Any]:
+    item = payload.items[0]
     return {
         "transfer_id": transfer,
         "checksum": payload.checksum,
         "verification_candidates": candidates,
+        "base": None if item.base is None else item.base.value,
+        "target": item.target.value,
     }
 
 
@@ -58,13 +67,14 @@ def test_commit_adopts_the_new_bits_and_version(trainer: Trainer) -> None:
     receiver, tensors = _receiver(on_commit=committed.append)
     for payload in _payloads(trainer):
         result = receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
-        assert result["verified"] > 0
-    assert receiver.status()["open"]["transfer_id"] == "t1"
-    assert receiver.commit("t1") == {"version": 4, "committed": True}
+        assert result.verified > 0
+    opened = receiver.status().open
+    assert opened is not None and opened.transfer_id == T1
+    assert receiver.commit(T1) == CommitReply(T1, 4, committed=True)
     assert digests(tensors) == digests(trainer.state) and committed == [4]
-    assert receiver.commit("t1")["committed"] is False, "a repeated commit is a no-op"
+    assert receiver.commit(T1).committed is False, "a repeated commit is a no-op"
     with pytest.raises(StaleTransferError, match="committed"):
-        receiver.rollback("t1")
+        receiver.rollback(T1)
 
 
 def test_rollback_restores_every_bit(trainer: Trainer) -> None:
@@ -73,10 +83,10 @@ def test_rollback_restores_every_bit(trainer: Trainer) -> None:
     before = digests(tensors)
     for payload in _payloads(trainer):
         receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
-    assert receiver.rollback("t1") == {"version": 3, "restored": True}
+    assert receiver.rollback(T1) == AbortReply(T1, 3, aborted=True, restored=True)
     assert digests(tensors) == before and rolled == [True]
-    assert receiver.rollback("t1")["restored"] is False
-    assert receiver.status()["open"] is None
+    assert receiver.rollback(T1).restored is False
+    assert receiver.status().open is None
 
 
 @pytest.mark.parametrize(
@@ -84,6 +94,8 @@ def test_rollback_restores_every_bit(trainer: Trainer) -> None:
     [
         (2, {}, StaleBaseError),
         (3, {"checksum": "f" * 32}, ChecksumMismatchError),
+        (3, {"target": 5}, ProtocolError),  # the BEGIN says 5, the items say 4
+        (3, {"base": None}, ProtocolError),  # the BEGIN says resync, the items are a delta
     ],
 )
 def test_refused_payloads_touch_nothing(
@@ -94,7 +106,7 @@ def test_refused_payloads_touch_nothing(
     payload = _payloads(trainer)[0]
     with pytest.raises(error):
         receiver.apply(memoryview(payload.to_bytes()), {**_meta(payload), **metadata})
-    assert digests(tensors) == before and receiver.status()["open"] is None
+    assert digests(tensors) == before and receiver.status().open is None
 
 
 def test_one_transfer_at_a_time_and_versions_only_advance(trainer: Trainer) -> None:
@@ -102,8 +114,8 @@ def test_one_transfer_at_a_time_and_versions_only_advance(trainer: Trainer) -> N
     first, second = _payloads(trainer)[:2]
     receiver.apply(memoryview(first.to_bytes()), _meta(first))
     with pytest.raises(TransferConflictError, match="open"):
-        receiver.apply(memoryview(second.to_bytes()), _meta(second, transfer="t2"))
-    receiver.rollback("t1")
+        receiver.apply(memoryview(second.to_bytes()), _meta(second, transfer=T2))
+    receiver.rollback(T1)
     ahead, _ = _receiver(version=None)
     dense = Trainer(make_state(1), version=0)
     try:
@@ -117,7 +129,7 @@ def test_one_transfer_at_a_time_and_versions_only_advance(trainer: Trainer) -> N
     with pytest.raises(StaleTransferError, match="holds 4"):
         stale.apply(memoryview(resync.to_bytes()), _meta(resync))
     assert digests(stale_tensors) == before
-    assert ahead.apply(memoryview(resync.to_bytes()), _meta(resync))["items"] >= 1
+    assert ahead.apply(memoryview(resync.to_bytes()), _meta(resync)).items >= 1
 
 
 def test_undo_budget_refuses_a_payload_whole(trainer: Trainer) -> None:
@@ -144,7 +156,7 @@ def test_read_back_catches_a_write_that_did_not_land() -> None:
     before = digests(tensors)
     with pytest.raises(VerificationError, match="weight"):
         receiver.apply(memoryview(payload.to_bytes()), _meta(payload, candidates=1 << 30))
-    assert digests(tensors) == before and receiver.status()["open"] is None
+    assert digests(tensors) == before and receiver.status().open is None
 
 
 def test_a_bare_apply_function_is_refused() -> None:

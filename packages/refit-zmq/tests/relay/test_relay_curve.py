@@ -11,7 +11,13 @@ import zmq.auth
 from relay_helpers import KEY, KEY_VAR, TUNING, RelayFleet, RelaySpec, fresh_trainer, held_digests
 
 from refit_core import AuthenticationError, RefitTimeoutError, WeightVersion
-from refit_zmq.relay import CurveConfig, RelayCoordinator, ZmqSparseRefitClient
+from refit_zmq.relay import (
+    CurveConfig,
+    RelayCoordinator,
+    RelayStatus,
+    ZmqSparseRefitClient,
+    new_transfer_id,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +67,7 @@ def test_only_clients_holding_the_server_key_get_through(
             )
             with client, pytest.raises(errors):
                 client.send_payload(
-                    transfer_id="v99-x",
+                    transfer_id=new_transfer_id(99),
                     payload_id="0",
                     checksum=payload.checksum,
                     verification_candidates=0,
@@ -70,7 +76,7 @@ def test_only_clients_holding_the_server_key_get_through(
         trainer.shards[0].tracker.abort()
         assert held_digests(coordinator) == before
         status = next(iter(coordinator.status().values()))
-        assert isinstance(status, dict) and status["transfer"] is None
+        assert isinstance(status, RelayStatus) and status.transfer is None
         trainer.close()
     finally:
         coordinator.close()

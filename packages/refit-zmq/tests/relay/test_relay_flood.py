@@ -22,9 +22,9 @@ import zmq
 from relay_helpers import KiB, MiB, RelayFleet, RelaySpec
 
 from refit_core import RefitError
-from refit_zmq.relay import RelayCoordinator, RelayTuning, ZmqSparseRefitClient
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, encode
+from refit_zmq.relay import RelayCoordinator, RelayStatus, RelayTuning, ZmqSparseRefitClient
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, encode
 
 pytestmark = pytest.mark.timeout(120)
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ TUNING = RelayTuning(
     hwm_messages=16,
     retries=0,
 )
+FLOOD = "v1-00000000000f100d"
 PAYLOAD_BYTES = 2 * MiB
 PRODUCERS = 6
 FLOOD_S = 4.0
@@ -61,7 +62,7 @@ def _producer(address: str, rank: int, stop: threading.Event, offered: list[int]
                 return
             with contextlib.suppress(RefitError):
                 client.send_payload(
-                    transfer_id="v1-flood",
+                    transfer_id=FLOOD,
                     payload_id=str(index),
                     checksum="ab" * 16,
                     verification_candidates=0,
@@ -82,7 +83,7 @@ def _rogue(address: str, stop: threading.Event, offered: list[int]) -> None:
             if stop.is_set():
                 return
             fields = {
-                "transfer_id": "v1-flood",
+                "transfer_id": FLOOD,
                 "producer_id": "rogue",
                 "payload_id": str(index),
                 "checksum": "cd" * 16,
@@ -133,5 +134,5 @@ def test_flood_against_slow_receiver_keeps_relay_memory_bounded(relay: RelayFlee
         (status,) = coordinator.status().values()
     finally:
         coordinator.close()
-    assert isinstance(status, dict), f"the relay stopped answering: {status}"
-    assert 0 < status["peak_staged_bytes"] <= TUNING.max_inflight_bytes
+    assert isinstance(status, RelayStatus), f"the relay stopped answering: {status}"
+    assert 0 < status.peak_staged_bytes <= TUNING.max_inflight_bytes

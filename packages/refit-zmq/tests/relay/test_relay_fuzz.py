@@ -15,13 +15,22 @@ from frame_strategies import frame_lists
 from hypothesis import HealthCheck, assume, given, settings
 from relay_helpers import TUNING, RelayFleet, RelaySpec, digests, fresh_trainer, held_digests
 
-from refit_core import ProtocolError
+from refit_core import AuthenticationError, ProtocolError
 from refit_zmq.relay import RelayCoordinator
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, parse
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, parse
 
 LIVE_EXAMPLES = 2_000 if os.environ.get("REFIT_HYPOTHESIS_PROFILE") == "full" else 150
-REQUESTS = {Kind.BEGIN, Kind.DATA, Kind.FLUSH, Kind.COMMIT, Kind.ABORT, Kind.STATUS, Kind.CONFIGURE}
+REQUESTS = {
+    Kind.BEGIN,
+    Kind.DATA,
+    Kind.FLUSH,
+    Kind.COMMIT,
+    Kind.ABORT,
+    Kind.STATUS,
+    Kind.OUTCOME,
+    Kind.CONFIGURE,
+}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,7 +57,7 @@ def dealer(relay: RelayFleet) -> Iterator[zmq.Socket[bytes]]:
 def _is_valid_request(frames: list[bytes]) -> bool:
     try:
         return parse(frames, Signer(None)).kind in REQUESTS
-    except ProtocolError:
+    except (ProtocolError, AuthenticationError):
         return False
 
 

@@ -19,7 +19,9 @@ from relay_helpers import (
 from refit_core import AuthenticationError, ChecksumMismatchError, WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
+    Acknowledged,
     RelayCoordinator,
+    RelayStatus,
     StaleTransferError,
     TransferConflictError,
     ZmqSparseRefitClient,
@@ -62,13 +64,15 @@ def _payloads(trainer: Trainer, seed: int) -> list[DeltaPayload]:
 
 def _send(
     client: ZmqSparseRefitClient, transfer_id: str, index: int, payload: DeltaPayload, **kw: object
-) -> dict[str, object]:
+) -> Acknowledged:
+    base = payload.items[0].base
     fields: dict[str, object] = {
         "transfer_id": transfer_id,
         "payload_id": f"p{index}",
         "checksum": payload.checksum,
         "verification_candidates": 16,
         "body": payload,
+        "base_version": None if base is None else base.value,
         **kw,
     }
     return client.send_payload(**fields)  # type: ignore[arg-type]
@@ -81,16 +85,16 @@ def test_duplicate_and_retried_payloads_are_applied_once(
     transfer_id = new_transfer_id(trainer.version + 1)
     with _client(keyed_relay) as first, _client(keyed_relay) as retry:
         for index, payload in enumerate(payloads):
-            assert _send(first, transfer_id, index, payload)["duplicate"] is False
+            assert _send(first, transfer_id, index, payload).duplicate is False
         # the same ids again: once on the same socket, once on a new one (a lazy-pirate retry)
-        assert _send(first, transfer_id, 0, payloads[0])["duplicate"] is True
-        assert _send(retry, transfer_id, 1, payloads[1])["duplicate"] is True
+        assert _send(first, transfer_id, 0, payloads[0]).duplicate is True
+        assert _send(retry, transfer_id, 1, payloads[1]).duplicate is True
     outcome = coordinator.finish(
         transfer_id, len(payloads), expected_digests=digests(trainer.state)
     )
     assert outcome.committed, outcome.failures
     (report,) = outcome.reports.values()
-    assert (report["applied"], report["duplicates"]) == (len(payloads), 2)
+    assert (report.applied, report.duplicates) == (len(payloads), 2)
     trainer.shards[0].tracker.commit()
     trainer.version += 1
 
@@ -125,10 +129,10 @@ def test_corrupted_body_is_refused_and_nothing_applied(
         with pytest.raises(ChecksumMismatchError, match="declared"):
             _send(client, transfer_id, 1, payload, checksum="0" * 32)
     status = next(iter(coordinator.status().values()))
-    assert isinstance(status, dict) and status["open"] is None, "nothing may stay applied"
+    assert isinstance(status, RelayStatus) and status.open is None, "nothing may stay applied"
     assert held_digests(coordinator) == before
     outcome = coordinator.finish(transfer_id, 1)
-    assert not outcome.committed and outcome.failures[0]["code"] == "CHECKSUM"
+    assert not outcome.committed and outcome.failures[0].code == "CHECKSUM"
     trainer.shards[0].tracker.abort()
 
 
@@ -143,7 +147,7 @@ def test_finished_transfer_ids_are_refused(
     with _client(keyed_relay) as client:
         for old in (committed, aborted):
             with pytest.raises(StaleTransferError, match="STALE_TRANSFER"):
-                _send(client, old, 0, payload)
+                _send(client, old, 0, payload, base_version=None)  # refused before the items
     trainer.shards[0].tracker.abort()
 
 
@@ -157,5 +161,5 @@ def test_missing_or_wrong_key_is_refused_and_nothing_applied(
         _send(client, new_transfer_id(trainer.version + 1), 0, payload)
     trainer.shards[0].tracker.abort()
     status = next(iter(coordinator.status().values()))
-    assert isinstance(status, dict) and status["open"] is None and status["transfer"] is None
+    assert isinstance(status, RelayStatus) and status.open is None and status.transfer is None
     assert held_digests(coordinator) == before

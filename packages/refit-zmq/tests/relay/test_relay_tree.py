@@ -18,19 +18,31 @@ from relay_helpers import (
     make_state,
 )
 
-from refit_core import NamedTensor, RefitError, RefitTimeoutError, StaleBaseError, StateDictInfo
+from refit_core import (
+    Deadline,
+    EngineState,
+    NamedTensor,
+    RefitError,
+    RefitTimeoutError,
+    StaleBaseError,
+    StateDictInfo,
+)
 from refit_core.sources import StateDictSource
 from refit_zmq.relay import (
+    FlushReport,
     RelayCoordinator,
+    RelayStatus,
     RelayTree,
+    SubtreeReport,
     TransferOptions,
+    TransferState,
     new_transfer_id,
     run_transfer,
     stream_sparse_delta_payloads_via_zmq,
 )
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.control import ControlChannel
-from refit_zmq.relay.frames import Kind
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.control import ControlChannel
+from refit_zmq.relay.wire.frames import Kind
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,18 +80,20 @@ def test_sparse_commits_from_three_roots_are_bitwise_on_every_relay(
             assert result.total("wire_bytes") < dense / 10, "a 1% step must travel sparse"
             payloads = result.total("payloads")
             reports = result.outcome.reports
-            assert {a: r["applied"] for a, r in reports.items()} == dict.fromkeys(
+            assert {a: r.applied for a, r in reports.items()} == dict.fromkeys(
                 fleet.addresses, payloads
             )
         tree = RelayTree.of(fleet.addresses, TUNING.fanout)
         inner = {
             a for root in fleet.addresses[:3] for a in fleet.addresses if tree.children(root, a)
         }
-        forwarding = {a for a, r in reports.items() if r["bytes_forwarded"] > 0}
+        forwarding = {a for a, r in reports.items() if r.bytes_forwarded > 0}
         assert forwarding == inner, "three roots must use three rotated trees"
         assert len(inner) == 5
         statuses = coordinator.status()
-        assert {s["version"] for s in statuses.values() if isinstance(s, dict)} == {trainer.version}
+        assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {
+            trainer.version
+        }
     finally:
         trainer.close()
 
@@ -101,7 +115,9 @@ def test_stale_relay_is_reported_then_resynced_densely(
         assert stale in str(refused.value)
         assert held_digests(coordinator) == before, "the refused transfer must roll back"
 
-        versions = {a: s["version"] for a, s in coordinator.status().items() if isinstance(s, dict)}
+        versions = {
+            a: s.version for a, s in coordinator.status().items() if isinstance(s, RelayStatus)
+        }
         behind = sorted(a for a, v in versions.items() if v != trainer.version)
         assert behind == [stale]
         result = trainer.transfer(coordinator, resync=True)
@@ -147,7 +163,13 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
 
 
 def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
-    specs = [RelaySpec(), RelaySpec(fail_once=("commit",)), RelaySpec(fail_once=("rollback",))]
+    # the relays would settle the missed decisions themselves after their timeout (their own
+    # test below); a long one leaves it to the coordinator here
+    specs = [
+        RelaySpec(timeout_s=120.0),
+        RelaySpec(timeout_s=120.0, fail_once=("commit",)),
+        RelaySpec(timeout_s=120.0, fail_once=("rollback",)),
+    ]
     with RelayFleet(specs) as fleet:
         coordinator = RelayCoordinator(api_key=None, timeout_s=15.0, tuning=TUNING)
         trainer: Trainer | None = None
@@ -158,10 +180,11 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
             missed = fleet.addresses[1]
             assert result.outcome.committed and set(result.outcome.decision_errors) == {missed}
             held = coordinator.status()[missed]
-            assert isinstance(held, dict)
-            assert (held["version"], held["open"]["target"]) == (0, 1), "applied, undo held"
-            statuses = coordinator.reconcile()
-            assert {s["version"] for s in statuses.values() if isinstance(s, dict)} == {1}
+            assert isinstance(held, RelayStatus) and held.open is not None
+            assert (held.version, held.open.target) == (0, 1), "applied, undo held"
+            assert held.transfer is not None and held.transfer.state is TransferState.PREPARED
+            statuses = coordinator.close_open_transfers()
+            assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {1}
             assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
 
             before = held_digests(coordinator)
@@ -178,11 +201,14 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
                 shard_count=1,
                 tuning=TUNING,
             )
-            errors = coordinator.abort(transfer_id)  # relay 2 misses the rollback
+            _, errors = coordinator.abort(transfer_id)  # relay 2 misses the rollback
             trainer.shards[0].tracker.abort()
             assert set(errors) == {fleet.addresses[2]}
-            assert held_digests(coordinator)[fleet.addresses[2]] != before[fleet.addresses[2]]
-            coordinator.reconcile()
+            unrolled = coordinator.status()[fleet.addresses[2]]
+            assert isinstance(unrolled, RelayStatus) and unrolled.transfer is None
+            assert unrolled.open is not None, "the receiver still holds what the ledger closed"
+            assert unrolled.open_transfers == {transfer_id}
+            coordinator.close_open_transfers()
             assert held_digests(coordinator) == before
         finally:
             if trainer is not None:
@@ -198,13 +224,13 @@ def test_subtree_flush_of_the_root_reports_every_relay_of_its_tree(
     try:
         trainer.step(seed=130)
         result = trainer.transfer(coordinator)
-        transfer_id = next(iter(result.outcome.reports.values()))["transfer_id"]
+        transfer_id = result.outcome.transfer_id
         payloads = result.total("payloads")
         tree = RelayTree.of(fleet.addresses, TUNING.fanout)
         root, leaf = fleet.addresses[0], fleet.addresses[-1]
         assert not tree.children(root, leaf), "the last relay is a leaf of the root's tree"
 
-        def subtree_of(relay: str) -> dict[str, dict[str, object]]:
+        def subtree_of(relay: str) -> dict[str, FlushReport]:
             fields = {
                 "transfer_id": transfer_id,
                 "expected_payloads": payloads,
@@ -213,13 +239,12 @@ def test_subtree_flush_of_the_root_reports_every_relay_of_its_tree(
             }
             reply = channel.call({relay: (Kind.FLUSH, fields)}, reply_within_s=30.0)[relay]
             assert isinstance(reply, dict), reply
-            relays: dict[str, dict[str, object]] = reply["relays"]
-            return relays
+            return dict(SubtreeReport.from_json(reply).relays)
 
         everyone = subtree_of(root)
         assert set(everyone) == set(fleet.addresses), "the root's subtree is the whole tree"
-        assert all(r["complete"] and r["applied"] == payloads for r in everyone.values())
-        assert all(r["transfer_id"] == transfer_id for r in everyone.values())
+        assert all(r.complete and r.applied == payloads for r in everyone.values())
+        assert all(r.transfer_id == transfer_id for r in everyone.values())
         assert set(subtree_of(leaf)) == {leaf}, "a leaf's subtree is itself"
     finally:
         channel.close()
@@ -261,10 +286,11 @@ def test_wedged_producer_is_named_at_the_deadline_and_nothing_is_half_applied(
                 target_version=trainer.version + 1,
                 resync=False,
                 options=options,
-                wait_s=1.0,
+                deadline=Deadline.after(1.0),
             )
         assert time.monotonic() - started < 1.0 + 1.0, "not released by the deadline"
         assert set(caught.value.wedged_workers) == {"producer 0", "producer 1"}
+        assert {e.state for e in caught.value.engines} == {EngineState.OLD}
         assert held_digests(coordinator) == before, "a relay kept part of the aborted refit"
         time.sleep(4.0)  # the stalled producers wake up, find the transfer aborted, abort
         assert all(p.tracker.pending is None for p in trainer.shards)

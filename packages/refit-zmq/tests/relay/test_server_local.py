@@ -13,16 +13,21 @@ from relay_helpers import TUNING, MiB, Trainer, digests, make_state
 from refit_core import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
+    AbortReply,
+    ApplyResult,
+    CommitReply,
+    ReceiverStatus,
     StreamingReceiver,
     TensorReceiver,
+    TransferState,
     ZmqSparseRefitClient,
     ZmqSparseRefitServer,
     deliver_payloads,
     new_transfer_id,
 )
-from refit_zmq.relay.auth import Signer
-from refit_zmq.relay.frames import Kind, encode
-from refit_zmq.relay.link import LinkSettings
+from refit_zmq.relay.wire.auth import Signer
+from refit_zmq.relay.wire.frames import Kind, encode
+from refit_zmq.relay.wire.link import LinkSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,22 +72,19 @@ def test_flush_reports_what_was_applied_and_what_is_missing(
         trainer.step(seed=72)
         payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
         transfer_id = new_transfer_id(1)
-        assert server.flush(transfer_id)["complete"] is True, "nothing begun, nothing to wait for"
+        assert server.flush(transfer_id).complete is True, "nothing begun, nothing to wait for"
         _deliver(address, payloads, transfer_id, verification_candidates=8)
         report = server.flush(transfer_id, len(payloads))
-        assert (report["complete"], report["applied"], report["failures"]) == (
-            True,
-            len(payloads),
-            [],
-        )
-        assert report["bytes_received"] == sum(p.nbytes for p in payloads)
+        assert (report.complete, report.applied, report.failures) == (True, len(payloads), ())
+        assert report.state is TransferState.PREPARED, "a complete flush prepares the transfer"
+        assert report.bytes_received == sum(p.nbytes for p in payloads)
         assert server.flush_subtree(transfer_id, len(payloads)) == {address: report}, (
             "a relay without children is its own subtree"
         )
         late = server.flush(transfer_id, len(payloads) + 1, timeout_s=0.3)
-        assert late["complete"] is False and late["failures"][-1]["code"] == "TIMEOUT"
+        assert late.complete is False and late.failures[-1].code == "TIMEOUT"
         receiver.commit(transfer_id)
-        assert receiver.status(digests=True)["digests"] == digests(trainer.state)
+        assert receiver.status(digests=True).digests == digests(trainer.state)
         trainer.shards[0].tracker.commit()
     finally:
         trainer.close()
@@ -109,15 +111,15 @@ def test_subtree_flush_names_a_silent_child_within_the_wait() -> None:
         _deliver(parent, payloads, transfer_id, verification_candidates=0)
         healthy = relays[0].flush_subtree(transfer_id, len(payloads))
         assert set(healthy) == {parent, child}
-        assert all(r["complete"] and r["applied"] == len(payloads) for r in healthy.values())
+        assert all(r.complete and r.applied == len(payloads) for r in healthy.values())
 
         relays[1].close()  # the child goes silent; the parent's report must name it in time
         started = time.monotonic()
         reports = relays[0].flush_subtree(transfer_id, len(payloads), timeout_s=1.0)
         assert time.monotonic() - started < 1.0 + 1.0, "not answered within the wait"
         assert reports[parent] == healthy[parent], "the parent's own report is unchanged"
-        assert reports[child]["complete"] is False
-        assert [f["code"] for f in reports[child]["failures"]] == ["UNREACHABLE"]
+        assert reports[child].complete is False
+        assert [f.code for f in reports[child].failures] == ["UNREACHABLE"]
         trainer.shards[0].tracker.abort()
     finally:
         trainer.close()
@@ -142,29 +144,34 @@ def test_a_payload_whose_sender_goes_quiet_half_way_is_undone(
     ids = {"transfer_id": transfer_id, "producer_id": "p", "payload_id": "0"}
     common = {**ids, "checksum": payload.checksum, "total_bytes": payload.nbytes, "hops": 0}
     unsigned = Signer(None)
-    link = LinkSettings(unsigned, None, TUNING.hwm_messages).open(zmq.Context.instance(), address)
+    link = LinkSettings(unsigned, None, TUNING).open(zmq.Context.instance(), address)
     try:
-        begin = encode(Kind.BEGIN, {**common, "verification_candidates": 0}, unsigned)
+        versions = {"base": None, "target": 1, "deadline_s": None}
+        begin = encode(Kind.BEGIN, {**common, "verification_candidates": 0, **versions}, unsigned)
         link.send(begin, until=time.monotonic() + 3)
         assert link.receive(lambda m: m.kind is Kind.READY, until=time.monotonic() + 3) is not None
-        data = memoryview(payload.to_bytes())
-        half = len(data) // 2
-        for offset in range(0, half, TUNING.chunk_bytes):
-            chunk = data[offset : min(offset + TUNING.chunk_bytes, half)]
-            message = encode(Kind.DATA, {**common, "offset": offset}, unsigned, chunk)
-            link.send(message, until=time.monotonic() + 3)
+        offset = 0
+        for frame in payload.frames:  # chunks never hold bytes of two frames
+            view = memoryview(frame).cast("B")
+            for start in range(0, len(view), TUNING.chunk_bytes):
+                if offset >= payload.nbytes // 2:
+                    break
+                chunk = view[start : start + TUNING.chunk_bytes]
+                message = encode(Kind.DATA, {**common, "offset": offset}, unsigned, chunk)
+                link.send(message, until=time.monotonic() + 3)
+                offset += len(chunk)
         deadline = time.monotonic() + 3
-        while receiver.status(digests=True)["digests"] == before and time.monotonic() < deadline:
+        while receiver.status(digests=True).digests == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert receiver.status(digests=True)["digests"] != before, (
+        assert receiver.status(digests=True).digests != before, (
             "chunks were not applied as they came"
         )
         report = server.flush(transfer_id, 1, timeout_s=6.0)
-        assert report["failures"] and report["failures"][0]["code"] == "TIMEOUT"
+        assert report.failures and report.failures[0].code == "TIMEOUT"
         deadline = time.monotonic() + 2  # the undo runs on the receiver thread, after the report
-        while receiver.status(digests=True)["digests"] != before and time.monotonic() < deadline:
+        while receiver.status(digests=True).digests != before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert receiver.status(digests=True)["digests"] == before, "half a payload stayed applied"
+        assert receiver.status(digests=True).digests == before, "half a payload stayed applied"
     finally:
         link.close()
 
@@ -176,17 +183,17 @@ class _WholePayloads:
         self.inner = inner
         self.bodies: list[int] = []
 
-    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> ApplyResult:
         self.bodies.append(len(body))
         return self.inner.apply(body, metadata)
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
+    def commit(self, transfer_id: str) -> CommitReply:
         return self.inner.commit(transfer_id)
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
+    def rollback(self, transfer_id: str) -> AbortReply:
         return self.inner.rollback(transfer_id)
 
-    def status(self, *, digests: bool = False) -> dict[str, Any]:
+    def status(self, *, digests: bool = False) -> ReceiverStatus:
         return self.inner.status(digests=digests)
 
 
@@ -202,10 +209,10 @@ def test_a_receiver_that_does_not_stream_gets_each_payload_whole() -> None:
         payloads = list(trainer.shards[0].tracker.encode(trainer.state, WeightVersion(1)))
         transfer_id = new_transfer_id(1)
         _deliver(address, payloads, transfer_id, verification_candidates=8)
-        assert server.flush(transfer_id, len(payloads))["complete"] is True
+        assert server.flush(transfer_id, len(payloads)).complete is True
         assert receiver.bodies == [p.nbytes for p in payloads]
         receiver.commit(transfer_id)
-        assert receiver.status(digests=True)["digests"] == digests(trainer.state)
+        assert receiver.status(digests=True).digests == digests(trainer.state)
     finally:
         trainer.close()
         server.close()

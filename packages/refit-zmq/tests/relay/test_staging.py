@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from refit_core import ProtocolError
-from refit_zmq.relay.staging import Pending, StagedPayload, Staging
+from refit_zmq.relay.node.staging import Pending, StagedPayload, Staging
 
 
 def _staged(payload: str, size: int, root: str = "r") -> StagedPayload:

@@ -9,7 +9,13 @@ import pytest
 import ray
 from sparse_actors import CONFIG, EngineFleet, RayTrainer
 
-from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
+from refit_core import (
+    EngineState,
+    Recovery,
+    RefitTimeoutError,
+    WorkerError,
+    create_weight_synchronizer,
+)
 from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
@@ -97,11 +103,22 @@ def test_dead_relay_is_named_then_left_out(engines: EngineFleet) -> None:
     trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4))
     with _synchronizer(trainer, engines) as synchronizer:
         synchronizer.sync_weights()
-        dead = engines.relay_addresses()[2]
+        addresses = engines.relay_addresses()
+        dead = addresses[2]
         ray.get(engines.workers[2].stop_relay.remote(), timeout=60)
         trainer.step()
-        with pytest.raises(RefitTimeoutError, match=dead):
+        with pytest.raises(RefitTimeoutError, match=dead) as failed:
             synchronizer.sync_weights()
+        error = failed.value
+        assert error.failed_shards == (2,) and error.recovery is Recovery.RECOVER
+        assert [(e.shard, e.worker, e.state) for e in error.engines] == [
+            (0, addresses[0], EngineState.OLD),
+            (1, addresses[1], EngineState.OLD),
+            (2, dead, EngineState.UNKNOWN),
+        ]
+        assert error.wedged_workers == (dead,)
+        assert str(error).startswith(f"relays {dead} (shard 2) do not answer")
+        assert isinstance(error.__cause__, RefitTimeoutError), "the relay's own error, chained"
         assert synchronizer.is_stale()
         synchronizer.reconcile_communicator({2})
         assert not synchronizer.is_stale()
@@ -149,8 +166,12 @@ def test_dead_trainer_rank_is_named_and_engines_keep_their_version(engines: Engi
         with _ray_synchronizer(ranks, engines) as synchronizer:
             committed = synchronizer.sync_weights().version
             ray.kill(ranks.ranks[1], no_restart=True)
-            with pytest.raises(WorkerError, match="trainer rank 1"):
+            with pytest.raises(WorkerError, match="trainer rank 1") as failed:
                 synchronizer.sync_weights()
+            assert [(e.state, e.version) for e in failed.value.engines] == [
+                (EngineState.OLD, committed)
+            ] * 3, "every relay confirmed the rollback"
+            assert failed.value.recovery is Recovery.RECOVER and failed.value.__cause__ is not None
             assert engines.call("weight_version") == [committed] * 3
             assert _bitwise(engines, twin) == [True] * 3, "nothing was half applied"
     finally:

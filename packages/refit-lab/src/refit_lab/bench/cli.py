@@ -10,8 +10,10 @@ from typing import TextIO
 
 from refit_lab.bench.harness import (
     BENCHES,
+    SIZED_BENCHES,
     BenchContext,
     BenchReport,
+    BenchUnavailableError,
     format_table,
     load_bench,
     write_json,
@@ -32,7 +34,8 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `bench NAME [--quick] [--json PATH] [--out-dir DIR] [--threads N]` to `subparsers`."""
+    """Add `bench NAME [--quick] [--json PATH] [--out-dir DIR] [--threads N] [--device D]
+    [--bytes N]` to `subparsers`."""
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark against its references",
@@ -58,6 +61,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="N",
         help="torch threads for the code under test and the references (default: cores available)",
     )
+    sized = ", ".join(SIZED_BENCHES)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=f"where the state lives ({sized} only; default cpu)",
+    )
+    parser.add_argument(
+        "--bytes",
+        type=_positive_int,
+        dest="size_bytes",
+        metavar="N",
+        help=f"state size in bytes instead of the quick or full size ({sized} only)",
+    )
     parser.set_defaults(handler=run_command)
 
 
@@ -68,7 +85,11 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     if run_all and args.json_path is not None:
         logger.error("--json takes one bench; with 'all' use --out-dir")
         return 2
-    ctx = BenchContext(quick=args.quick, threads=args.threads)
+    device, size_bytes = getattr(args, "device", "cpu"), getattr(args, "size_bytes", None)
+    if (device != "cpu" or size_bytes is not None) and args.name not in SIZED_BENCHES:
+        logger.error("--device and --bytes take one of: %s", ", ".join(SIZED_BENCHES))
+        return 2
+    ctx = BenchContext(quick=args.quick, threads=args.threads, device=device, size_bytes=size_bytes)
     failed: list[str] = []
     reports: dict[str, BenchReport] = {}
     for name in list(BENCHES) if run_all else [args.name]:
@@ -77,6 +98,12 @@ def run_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         )
         try:
             report = load_bench(name)(ctx)
+        except BenchUnavailableError as exc:
+            if not run_all:
+                logger.error("bench %s cannot run here: %s", name, exc)
+                return 2
+            logger.warning("bench %s skipped: %s", name, exc)
+            continue
         except Exception:
             logger.exception("bench %s failed", name)
             failed.append(name)

@@ -10,6 +10,9 @@ communicator (``packed_child``: the killable-child fallback, whose extra cost is
 and one out of shared memory per bucket); and one broadcast per tensor (``per_tensor``, what
 several peers do). refit-lab's own flat gloo reference runs too (``flat_reference``), in its
 own processes, as a cross-check of the in-process ``flat``. Every receiver checks its bytes.
+Summary ratios are medians of per-round ratios (the slowest rank's time per round), the
+lowest over the receiver counts, each with its reference's median rate beside it
+(``<ratio>_reference_gbps``).
 
 Abort: three ranks, deadline 2 s, one receiver freezes itself (SIGSTOP) after its first bucket
 of a transfer of at least 64 MiB; each survivor reports how long after its deadline its
@@ -24,7 +27,14 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from refit_lab.bench.harness import BenchContext, BenchReport, TimingStats, gbps, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    TimingStats,
+    gbps,
+    machine_info,
+)
 from refit_lab.bench.references import gloo_broadcast_gbps, memcpy_gbps
 from refit_lab.bench.runtime import ChildGroup, Deadline, free_port
 from refit_lab.faults import fault_self
@@ -107,6 +117,14 @@ def _connect(
 
 CASES = ("flat", "packed", "packed_copy", "packed_child", "per_tensor")
 """Measured interleaved, round by round, in the same processes (fair under a noisy load)."""
+RATIOS = {
+    "packed_vs_flat_throughput": ("packed", "flat"),
+    "packed_speedup_vs_per_tensor": ("packed", "per_tensor"),
+    "packed_copy_vs_flat_throughput": ("packed_copy", "flat"),
+    "packed_child_vs_packed_throughput": ("packed_child", "packed"),
+}
+"""Summary ratio -> (subject, reference): medians of per-round ratios, the lowest over the
+receiver counts, each with its reference's rate."""
 
 
 def _throughput_rank(
@@ -194,9 +212,9 @@ def rank_threads(ctx: BenchContext, world: int) -> int:
 
 def measure_throughput(
     ctx: BenchContext, receivers: int, total_bytes: int, repeats: int
-) -> tuple[dict[str, float], bool]:
-    """GB/s of every case to ``receivers``: median over rounds (warm-up dropped) of the
-    slowest rank's time; and whether every receiver got every case bitwise."""
+) -> tuple[dict[str, list[float]], bool]:
+    """Per-round seconds of every case to ``receivers`` (the slowest rank's, warm-up round
+    dropped), and whether every receiver got every case bitwise."""
     world = receivers + 1
     ports = (free_port(), free_port())
     deadline = Deadline(2 * SETUP_S + 150.0 * (repeats + 1), f"collective x{receivers}")
@@ -206,13 +224,17 @@ def measure_throughput(
     ]
     with ChildGroup(_throughput_rank, args, deadline=deadline, name="throughput-rank") as ranks:
         results = ranks.results()
-    rates: dict[str, float] = {}
+    seconds: dict[str, list[float]] = {}
     for case in CASES:
         per_round = zip(*(r["times"][case] for r in results), strict=True)
-        slowest = [max(times) for times in per_round][1:]
-        rates[case] = gbps(total_bytes, TimingStats.from_samples(slowest).median_s)
-        logger.info("%s to %d receivers: %.3f GB/s", case, receivers, rates[case])
-    return rates, all(r["bitexact"] for r in results)
+        seconds[case] = [max(times) for times in per_round][1:]
+        logger.info(
+            "%s to %d receivers: %.3f GB/s",
+            case,
+            receivers,
+            gbps(total_bytes, TimingStats.from_samples(seconds[case]).median_s),
+        )
+    return seconds, all(r["bitexact"] for r in results)
 
 
 def _abort_plan() -> tuple[dict[str, torch.Tensor], Any]:
@@ -329,7 +351,7 @@ def measure(
     progress(f"memcpy {total} bytes")
     memcpy = memcpy_gbps(total, repeats=repeats, threads=ctx.threads)
     results: list[dict[str, object]] = []
-    ratios: list[tuple[float, float, float, float]] = []
+    ratios: dict[str, list[PairedRatio]] = {key: [] for key in RATIOS}
     exact = True
     for receivers in RECEIVERS:
         threads = rank_threads(ctx, receivers + 1)
@@ -338,18 +360,20 @@ def measure(
             total, repeats=repeats, threads=threads, world_size=receivers + 1
         )
         progress(f"flat, packed, packed_copy, per_tensor to {receivers}")
-        rates, ok = measure_throughput(ctx, receivers, total, repeats)
+        seconds, ok = measure_throughput(ctx, receivers, total, repeats)
         exact = exact and ok
-        flat = rates["flat"]
-        ratios.append(
-            (
-                rates["packed"] / flat,
-                rates["packed"] / rates["per_tensor"],
-                rates["packed_copy"] / flat,
-                rates["packed_child"] / rates["packed"],
-            )
-        )
+        for key, (subject, against) in RATIOS.items():
+            ratios[key].append(PairedRatio.of(seconds[subject], seconds[against], total))
+        rates = {
+            case: gbps(total, TimingStats.from_samples(times).median_s)
+            for case, times in seconds.items()
+        }
         for case, rate in {**rates, "flat_reference": reference}.items():
+            vs_flat = (
+                PairedRatio.of(seconds[case], seconds["flat"], total).ratio
+                if case in seconds
+                else rate / rates["flat"]
+            )
             results.append(
                 {
                     "case": f"{case} x{receivers}",
@@ -359,17 +383,13 @@ def measure(
                     "bucket_bytes": BUCKET_BYTES if case.startswith("packed") else "",
                     "rank_threads": threads,
                     "gbps": rate,
-                    "vs_flat": rate / flat,
+                    "vs_flat": vs_flat,
                     "vs_memcpy": rate / memcpy,
                 }
             )
-    summary: dict[str, float | bool] = {
-        "memcpy_gbps": memcpy,
-        "packed_vs_flat_throughput": min(r[0] for r in ratios),
-        "packed_speedup_vs_per_tensor": min(r[1] for r in ratios),
-        "packed_copy_vs_flat_throughput": min(r[2] for r in ratios),
-        "packed_child_vs_packed_throughput": min(r[3] for r in ratios),
-    }
+    summary: dict[str, float | bool] = {"memcpy_gbps": memcpy}
+    for key, pairs in ratios.items():
+        summary.update(min(pairs, key=lambda pair: pair.ratio).summary(key))
     if abort:
         progress("abort: frozen receiver, deadline 2 s")
         released = measure_abort(ctx)

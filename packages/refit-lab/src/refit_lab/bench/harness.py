@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -48,8 +48,14 @@ BENCHES: dict[str, str] = {
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",
     "sglang": "refit_lab.bench.sglang:run",
+    "vllm": "refit_lab.bench.vllm:run",
 }
 """Registry: bench name -> "module:function" of a `BenchFn`, imported on first use."""
+
+
+class BenchUnavailableError(RuntimeError):
+    """A bench that cannot run in this environment (its engine is not installed); `refit bench
+    all` skips it, naming why."""
 
 
 def log_progress(message: str, fraction: float) -> None:
@@ -57,17 +63,34 @@ def log_progress(message: str, fraction: float) -> None:
     logger.info("[%3.0f%%] %s", 100 * fraction, message)
 
 
+SIZED_BENCHES = ("codec",)
+"""Benches that take ``device`` and ``size_bytes`` (the others refuse them)."""
+
+
 @dataclass(frozen=True)
 class BenchContext:
-    """How to run a bench: quick or full sizes, torch threads for everything measured, progress."""
+    """How to run a bench: quick or full sizes, torch threads for everything measured, progress;
+    for :data:`SIZED_BENCHES` also the device (``"cpu"`` or ``"cuda"``) and the state's size
+    (None: the bench's quick or full size)."""
 
     quick: bool = False
     threads: int = field(default_factory=default_threads)
     progress: ProgressHook = log_progress
+    device: str = "cpu"
+    size_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.size_bytes is not None and self.size_bytes < 1:
+            raise ValueError(f"size_bytes must be >= 1, got {self.size_bytes}")
+
+    @property
+    def default_sizes(self) -> bool:
+        """Whether the bench runs on the CPU at its own quick or full size."""
+        return self.device == "cpu" and self.size_bytes is None
 
 
 @dataclass
@@ -198,6 +221,51 @@ def timeit(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> Timing
         fn()
         samples.append(time.perf_counter() - start)
     return TimingStats.from_samples(samples)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """A subject against its reference, timed in the same interleaved rounds.
+
+    Attributes:
+        ratio: median over rounds of that round's subject rate / reference rate, so a load
+            that slows one round slows both sides of its ratio.
+        subject_gbps: the subject's median rate.
+        reference_gbps: the reference's median rate (recorded beside every ratio, so a
+            reference slowed by load shows up instead of flattering the ratio).
+        rounds: rounds paired.
+    """
+
+    ratio: float
+    subject_gbps: float
+    reference_gbps: float
+    rounds: int
+
+    @classmethod
+    def of(
+        cls,
+        subject_s: Sequence[float],
+        reference_s: Sequence[float],
+        nbytes: int,
+        reference_nbytes: int | None = None,
+    ) -> PairedRatio:
+        """From per-round seconds of the subject (``nbytes``) and of the reference
+        (``reference_nbytes``, default the same bytes)."""
+        if len(subject_s) != len(reference_s) or not subject_s:
+            raise ValueError(f"need paired rounds, got {len(subject_s)} and {len(reference_s)}")
+        ref_bytes = nbytes if reference_nbytes is None else reference_nbytes
+        subject = [gbps(nbytes, s) for s in subject_s]
+        reference = [gbps(ref_bytes, s) for s in reference_s]
+        return cls(
+            ratio=statistics.median(a / b for a, b in zip(subject, reference, strict=True)),
+            subject_gbps=statistics.median(subject),
+            reference_gbps=statistics.median(reference),
+            rounds=len(subject),
+        )
+
+    def summary(self, key: str) -> dict[str, float]:
+        """``{key: ratio, key + "_reference_gbps": reference rate}`` for a report summary."""
+        return {key: self.ratio, f"{key}_reference_gbps": self.reference_gbps}
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -8,7 +8,8 @@ as a vLLM worker drives it. Each round times one memcpy of the same bytes (the h
 reference) and one refit, side by side; between rounds every tensor of the state is negated,
 so each refit carries other bits, and the engine's final weights are compared bit for bit
 with the trainer's final state. ``ipc_fraction_of_memcpy`` is the median of the per-round
-ratios of IPC rate to memcpy rate.
+ratios of IPC rate to memcpy rate; ``ipc_fraction_of_memcpy_reference_gbps`` is memcpy's own
+median rate.
 
 Threads: memcpy runs with ``--threads``; the IPC path copies twice at once (the trainer fills
 one buffer while the engine loads the other), so each of its two processes gets half of them
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import tempfile
 import time
 import uuid
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from refit_core.sources import StateDictSource
-from refit_lab.bench.harness import BenchContext, BenchReport, gbps, machine_info
-from refit_lab.bench.references import MiB, memcpy_gbps
+from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.references import Memcpy, MiB
 from refit_lab.bench.relay import engine_config, state_bytes
 from refit_lab.bench.runtime import ChildGroup, Deadline, torch_threads
 from refit_lab.digest import state_digest
@@ -87,12 +87,14 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
     state = random_checkpoint(config, seed=0)
     address = f"ipc://{tempfile.gettempdir()}/refit-bench-ipc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     refits = sizes.repeats + 1
-    memcpy_rates: list[float] = []
-    ipc_rates: list[float] = []
+    memcpy_s: list[float] = []
+    ipc_s: list[float] = []
     options = IpcOptions(buffer_size_bytes=sizes.buffer_bytes, device="cpu")
     deadline = Deadline(_TIMEOUT_S + refits * total / 50e6, "ipc bench")
     side_threads = max(1, ctx.threads // 2)
     args = [(config, address, refits, side_threads)]
+    memcpy = Memcpy(total, threads=ctx.threads)
+    moved = 0
     with (
         ChildGroup(_serve_engine, args, deadline=deadline, name="ipc-engine") as child,
         IpcWeightSynchronizer(
@@ -105,20 +107,21 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
             ctx.progress(f"round {index + 1} of {sizes.repeats}", index / sizes.repeats)
             for tensor in state.values():
                 tensor.neg_()
-            memcpy_rates.append(memcpy_gbps(total, repeats=1, threads=ctx.threads))
+            memcpy_s.append(memcpy.seconds())
             started = time.perf_counter()
             result = synchronizer.sync_weights()
-            ipc_rates.append(gbps(result.dense_bytes, time.perf_counter() - started))
+            ipc_s.append(time.perf_counter() - started)
+            moved = result.dense_bytes
         (digests,) = child.results()
     exact = digests == state_digest(state.items())
-    ratios = [ipc / ref for ipc, ref in zip(ipc_rates, memcpy_rates, strict=True)]
+    paired = PairedRatio.of(ipc_s, memcpy_s, moved, reference_nbytes=total)
     ctx.progress("ipc done", 1.0)
     results: list[dict[str, object]] = [
-        {"case": "memcpy", "nbytes": total, "gbps": statistics.median(memcpy_rates)},
+        {"case": "memcpy", "nbytes": total, "gbps": paired.reference_gbps},
         {
             "case": "ipc",
             "nbytes": total,
-            "gbps": statistics.median(ipc_rates),
+            "gbps": paired.subject_gbps,
             "buffer_bytes": sizes.buffer_bytes,
             "tensors": len(state),
         },
@@ -128,7 +131,7 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
         quick=ctx.quick,
         machine=machine_info(),
         results=results,
-        summary={"ipc_fraction_of_memcpy": statistics.median(ratios), "bitexact": exact},
+        summary={**paired.summary("ipc_fraction_of_memcpy"), "bitexact": exact},
     )
 
 

@@ -7,17 +7,14 @@ weakened reference shows up as a low rate rather than a flattering ratio.
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
-import statistics
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
-import zmq
 
-from refit_lab.bench.harness import TimingStats, gbps, timeit
+from refit_lab.bench.harness import TimingStats, gbps
+from refit_lab.bench.raw_zmq import ZmqStream, zmq_stream
 from refit_lab.bench.runtime import ChildGroup, Deadline, torch_threads
 
 if TYPE_CHECKING:
@@ -25,28 +22,59 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
     from torch.distributed import Work
 
+__all__ = [
+    "Memcpy",
+    "MiB",
+    "ZmqStream",
+    "gloo_broadcast_gbps",
+    "memcpy_gbps",
+    "nemo_apply",
+    "nemo_encode",
+    "numpy_delta_apply",
+    "numpy_delta_encode",
+    "xor_zstd_apply",
+    "xor_zstd_encode",
+    "zmq_stream",
+]
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _FILL = 0xA5
 _CHECK_STRIDE = 4099
-_POLL_MS = 100
 
 
-def _default_timeout_s(total_bytes: int) -> float:
-    """Generous deadline: process start-up plus the bytes at a pessimistic 50 MB/s."""
-    return 60.0 + total_bytes / 50e6
+class Memcpy:
+    """`torch` `copy_` of a contiguous uint8 buffer into a preallocated one, with `threads`,
+    on `device` (a GPU: a device-to-device copy); both buffers are touched before any timing.
+    Keep one across interleaved rounds so every round pays for one copy and nothing else."""
+
+    def __init__(self, nbytes: int, *, threads: int, device: str = "cpu") -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self._threads = threads
+        self._device = device
+        self._src = torch.full((nbytes,), _FILL, dtype=torch.uint8, device=device)
+        self._dst = torch.zeros_like(self._src)
+        self.seconds()
+
+    def seconds(self) -> float:
+        """Time one copy (a GPU copy to its completion)."""
+        import torch
+
+        with torch_threads(self._threads):
+            started = time.perf_counter()
+            self._dst.copy_(self._src)
+            if self._device != "cpu":
+                torch.cuda.synchronize(self._device)
+            return time.perf_counter() - started
 
 
 def memcpy_gbps(nbytes: int, *, repeats: int, threads: int) -> float:
-    """`torch` `copy_` of a contiguous uint8 buffer into a preallocated one, with `threads`."""
-    import torch
-
-    with torch_threads(threads):
-        src = torch.full((nbytes,), _FILL, dtype=torch.uint8)
-        dst = torch.zeros_like(src)
-        stats = timeit(lambda: dst.copy_(src), repeats=repeats, warmup=1)
-    rate = gbps(nbytes, stats.median_s)
+    """:class:`Memcpy` of `nbytes`: the median rate of `repeats` copies after a warm-up."""
+    copy = Memcpy(nbytes, threads=threads)
+    rate = gbps(nbytes, TimingStats.from_samples([copy.seconds() for _ in range(repeats)]).median_s)
     logger.info("memcpy %d bytes: %.3f GB/s (median of %d)", nbytes, rate, repeats)
     return rate
 
@@ -116,7 +144,7 @@ def gloo_broadcast_gbps(
         raise ValueError(f"world_size must be >= 2, got {world_size}")
     rounds = repeats + 1
     deadline = Deadline(
-        timeout_s or _default_timeout_s(nbytes * rounds * (world_size - 1)), "gloo reference"
+        timeout_s or 60.0 + nbytes * rounds * (world_size - 1) / 50e6, "gloo reference"
     )
     store = _tcp_store(0, is_master=True, timeout=deadline.remaining())
     args = [
@@ -135,141 +163,6 @@ def gloo_broadcast_gbps(
         repeats,
     )
     return rate
-
-
-def _poll_in(sock: zmq.Socket[bytes], deadline: Deadline, group: ChildGroup[Any] | None) -> None:
-    """Wait until `sock` has a message, checking `deadline` (and the child group) meanwhile."""
-    while not sock.poll(_POLL_MS, zmq.POLLIN):
-        deadline.check()
-        if group is not None:
-            group.poll()
-
-
-def _zmq_receiver(
-    data_endpoint: str,
-    ack_endpoint: str,
-    nbytes: int,
-    chunk_bytes: int,
-    rounds: int,
-    timeout_s: float,
-) -> list[float]:
-    """Receiver of the zmq reference: pull `rounds` x `nbytes` into one buffer, ack each round;
-    the CPU seconds (all its threads) of every round but the first."""
-    deadline = Deadline(timeout_s, "zmq receiver")
-    cpu = [time.process_time()]
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    view = dst.data
-    with zmq.Context() as ctx:
-        ctx.setsockopt(zmq.LINGER, 0)
-        with ctx.socket(zmq.PULL) as data, ctx.socket(zmq.PUSH) as ack:
-            ack.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-            data.connect(data_endpoint)
-            ack.connect(ack_endpoint)
-            ack.send(b"ready")
-            for round_index in range(rounds):
-                offset = 0
-                while offset < nbytes:
-                    _poll_in(data, deadline, None)
-                    size = data.recv_into(view[offset : offset + chunk_bytes])
-                    if size > chunk_bytes:
-                        raise RuntimeError(f"zmq receiver: frame of {size} bytes > chunk_bytes")
-                    offset += size
-                ack.send(round_index.to_bytes(8, "little"))
-                cpu.append(time.process_time())
-    if not bool((dst[::_CHECK_STRIDE] == _FILL).all()):
-        raise RuntimeError("zmq receiver: stream delivered wrong bytes")
-    return [end - start for start, end in itertools.pairwise(cpu[1:])]
-
-
-def _send_chunks(
-    sock: zmq.Socket[bytes],
-    src: memoryview,
-    chunk_bytes: int,
-    deadline: Deadline,
-    group: ChildGroup[Any],
-) -> None:
-    for offset in range(0, len(src), chunk_bytes):
-        chunk = src[offset : offset + chunk_bytes]
-        while True:
-            try:
-                sock.send(chunk, flags=zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                sock.poll(_POLL_MS, zmq.POLLOUT)
-                deadline.check()
-                group.poll()
-
-
-def _await_ack(
-    sock: zmq.Socket[bytes], expected: bytes, deadline: Deadline, group: ChildGroup[Any]
-) -> None:
-    _poll_in(sock, deadline, group)
-    got = sock.recv()
-    if got != expected:
-        raise RuntimeError(f"zmq reference: expected ack {expected!r}, got {got!r}")
-
-
-@dataclass(frozen=True)
-class ZmqStream:
-    """The median round of a raw pyzmq stream: wall seconds, rate, and the CPU seconds both
-    processes spent (every thread, libzmq's I/O threads included)."""
-
-    seconds: float
-    gbps: float
-    cpu_s: float
-
-
-def zmq_stream(
-    nbytes: int,
-    *,
-    repeats: int,
-    chunk_bytes: int = MiB,
-    timeout_s: float | None = None,
-) -> ZmqStream:
-    """Raw pyzmq PUSH/PULL stream of `nbytes` over tcp loopback to a receiver process.
-
-    Zero-copy sends (`copy=False`) of `chunk_bytes` frames; the receiver copies every frame into
-    one preallocated buffer (`recv_into`) and acks each round; a round is timed from the first
-    send to its ack. One libzmq I/O thread per side (the pyzmq default), as for the code under test.
-    """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    rounds = repeats + 1
-    deadline = Deadline(timeout_s or _default_timeout_s(nbytes * rounds), "zmq reference")
-    src = np.full(nbytes, _FILL, dtype=np.uint8)
-    view = src.data
-    times: list[float] = []
-    sender_cpu: list[float] = []
-    with zmq.Context() as ctx:
-        ctx.setsockopt(zmq.LINGER, 0)
-        with ctx.socket(zmq.PUSH) as data, ctx.socket(zmq.PULL) as ack:
-            data.bind("tcp://127.0.0.1:*")
-            ack.bind("tcp://127.0.0.1:*")
-            args = [
-                (
-                    data.getsockopt_string(zmq.LAST_ENDPOINT),
-                    ack.getsockopt_string(zmq.LAST_ENDPOINT),
-                    nbytes,
-                    chunk_bytes,
-                    rounds,
-                    deadline.remaining_s(),
-                )
-            ]
-            with ChildGroup(_zmq_receiver, args, deadline=deadline, name="zmq-receiver") as group:
-                _await_ack(ack, b"ready", deadline, group)
-                for round_index in range(rounds):
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    _send_chunks(data, view, chunk_bytes, deadline, group)
-                    _await_ack(ack, round_index.to_bytes(8, "little"), deadline, group)
-                    times.append(time.perf_counter() - start)
-                    sender_cpu.append(time.process_time() - cpu_start)
-                (receiver_cpu,) = group.results()
-    seconds = TimingStats.from_samples(times[1:]).median_s
-    cpu_s = statistics.median(a + b for a, b in zip(sender_cpu[1:], receiver_cpu, strict=True))
-    logger.info(
-        "zmq stream %d bytes: %.3f s, %.3f CPU s (median of %d)", nbytes, seconds, cpu_s, repeats
-    )
-    return ZmqStream(seconds=seconds, gbps=gbps(nbytes, seconds), cpu_s=cpu_s)
 
 
 def _recipe_bits(tensor: torch.Tensor) -> torch.Tensor:

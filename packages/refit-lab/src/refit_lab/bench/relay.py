@@ -4,8 +4,8 @@ Loopback (always): dense-resync payloads (quick 64 MiB, full 1 GiB of bf16 weigh
 uncompressed before the clock starts, so the wire carries the dense bytes; 16 MiB payloads in
 4 MiB chunks) pushed through one relay in a child process that verifies every checksum and
 applies them as they arrive, with undo data, into a reference engine's real parameters until
-the transfer is committed, against the harness's raw pyzmq stream of the same bytes (1 MiB
-frames), same run; then a 1%-changed refit (AdamW-like,
+the transfer is committed, each right after one round of the harness's raw pyzmq stream of the
+same bytes (1 MiB frames) to a receiver process of its own; then a 1%-changed refit (AdamW-like,
 calibrated; encoding included), which is bound by the scattered writes of apply rather than
 by the wire. ``relays_apply_s`` is the receivers' apply time, summed over relays.
 The raw stream's CPU seconds (both processes, every thread) plus the least work a
@@ -22,8 +22,13 @@ encoding included; dense resyncs to 1, 2, 4 and 8 receivers through relays chain
 fan-out 1 (a pipelined chain: every link carries each byte once), sent uncompressed (every
 receiver would otherwise decompress: nine processes' worth of zstd on two shared cores made
 the 8-receiver chain CPU-bound), against a star of raw pyzmq streams from the producer to
-each receiver. Each host's veth byte counters are reported.
+each receiver. Each host's veth byte counters are reported (tree and star together).
 Every timed refit ends committed, and every receiver is checked bit for bit at the end.
+
+Every refit-against-raw ratio is interleaved: the raw round (from the producer's own process
+and host) runs right before each refit, and the summary gives the median of the per-round
+ratios with the raw reference's own median rate beside it (``<ratio>_reference_gbps``). The
+8-vs-1 time ratios compare a case with itself at two sizes (separate runs, link-bound).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import multiprocessing.connection
 import os
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,14 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-import zmq
 
 from refit_core import WeightVersion
 from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
-from refit_lab.bench.codec import Trajectory, calibrate_lr
-from refit_lab.bench.harness import BenchContext, BenchReport, machine_info
-from refit_lab.bench.references import _FILL, MiB, _zmq_receiver, zmq_stream
+from refit_lab.bench.deltas import Trajectory, calibrate_lr
+from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.raw_zmq import LoopbackStream, ZmqStreamSender, summarize, zmq_receiver
+from refit_lab.bench.references import MiB
 from refit_lab.bench.runtime import ChildGroup, Deadline
 from refit_lab.pytest_plugin import netns_available
 from refit_lab.reference_engine import (
@@ -63,6 +67,7 @@ from refit_lab.reference_engine import (
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (
     RelayCoordinator,
+    RelayStatus,
     RelayTuning,
     ShardProducer,
     ShardProducerRole,
@@ -326,13 +331,40 @@ def relays(
 
 @dataclass(frozen=True)
 class Step:
-    """One timed refit: its case, which state it sends, whether densely, and whether it is
-    encoded before the clock starts (a transport measurement) or while sending."""
+    """One timed refit: its case, which state it sends, whether densely, whether it is
+    encoded before the clock starts (a transport measurement) or while sending, and whether
+    one round of the raw reference runs right before it (its seconds go in the row as
+    ``reference_s``)."""
 
     case: str
     state: str
     resync: bool
     pre_encoded: bool = False
+    paired: bool = False
+
+
+@dataclass(frozen=True)
+class StarReference:
+    """Raw pyzmq streams of ``nbytes`` from the producer's host ``ip`` to ``receivers``
+    :func:`~refit_lab.bench.raw_zmq.zmq_receiver` children (already started, connecting to
+    the fixed ports), one round before every paired step; picklable, so a producer in
+    another process makes its own sender."""
+
+    ip: str
+    receivers: int
+    nbytes: int
+    timeout_s: float
+
+    def sender(self) -> ZmqStreamSender:
+        """The bound sender (wait for :meth:`ZmqStreamSender.ready` before its rounds)."""
+        return ZmqStreamSender(
+            self.nbytes,
+            receivers=self.receivers,
+            chunk_bytes=CHUNK_BYTES,
+            ip=self.ip,
+            ports=(_RAW_PORT, _RAW_PORT + 100),
+            deadline=Deadline(self.timeout_s, "raw star sender"),
+        )
 
 
 @dataclass(frozen=True)
@@ -373,7 +405,7 @@ def _timed_refit(
             coordinator, [producer], target_version=version, resync=step.resync, options=options
         )
         seconds = time.perf_counter() - started
-        applying = sum(float(r["apply_s"]) for r in result.outcome.reports.values())
+        applying = sum(r.apply_s for r in result.outcome.reports.values())
         return {
             "seconds": seconds,
             "stream_s": result.stream_s,
@@ -381,6 +413,7 @@ def _timed_refit(
             "relays_apply_s": applying,
             **result.shards[0],
         }
+    base = tracker.version
     payloads = list(tracker.encode(state, WeightVersion(version), resync=step.resync))
     transfer_id = new_transfer_id(version)
     started = time.perf_counter()
@@ -390,7 +423,7 @@ def _timed_refit(
         transfer_id=transfer_id,
         payload_prefix="0",
         relay_root=None,
-        base_version=None,
+        base_version=None if step.resync or base is None else base.value,
         target_version=version,
         verification_candidates=0,
         senders=tuning.window_payloads,
@@ -400,9 +433,9 @@ def _timed_refit(
     seconds = time.perf_counter() - started
     if not outcome.committed:
         tracker.abort()
-        raise outcome.error()
+        raise outcome.error({a: i for i, a in enumerate(coordinator.relays)}, target=version)
     tracker.commit()
-    applying = sum(float(r["apply_s"]) for r in outcome.reports.values())
+    applying = sum(r.apply_s for r in outcome.reports.values())
     return {
         "seconds": seconds,
         "stream_s": streamed - started,
@@ -412,15 +445,25 @@ def _timed_refit(
     }
 
 
+def _star_rounds(stack: contextlib.ExitStack, reference: StarReference) -> Callable[[], float]:
+    """A ready star sender (closed with ``stack``) as a callable timing one round."""
+    star = stack.enter_context(reference.sender())
+    star.ready()
+    return lambda: star.round()[0]
+
+
 def produce(
     addresses: Sequence[str],
     config: ReferenceModelConfig,
     steps: Sequence[Step],
     producing: Producing,
     seed: int = 0,
+    reference: StarReference | Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Run ``steps`` (each committed) into the relays, rooted at the first; rows, and whether
-    every relay ends bit-exact with the last state. Runs in the caller's network namespace."""
+    every relay ends bit-exact with the last state. Runs in the caller's network namespace.
+    Before every paired step one round of ``reference`` runs (a star's own sender, made
+    here, or a callable returning seconds)."""
     base, new = states(config, seed)
     by_name = {"base": base, "new": new}
     weights = _Weights(base)
@@ -440,22 +483,27 @@ def produce(
         addresses[0], timeout_s=60.0, producer_id="shard-0", retries=tuning.retries, tuning=tuning
     )
     rows: list[dict[str, Any]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(producer.close)
+        stack.callback(shard.refit_close)
+        stack.callback(coordinator.close)
+        stack.callback(client.close)
+        raw_round = (
+            _star_rounds(stack, reference) if isinstance(reference, StarReference) else reference
+        )
         coordinator.configure_tree(list(addresses))
         for version, step in enumerate(steps, start=1):
+            paired = {}
+            if step.paired and raw_round is not None:
+                paired["reference_s"] = raw_round()
             weights.state = by_name[step.state]
             timed = _timed_refit(
                 coordinator, producer, shard.tracker, client, version, step, weights.state, tuning
             )
-            rows.append({"case": step.case, **timed})
+            rows.append({"case": step.case, **timed, **paired})
         expected = digests(by_name[steps[-1].state])
         held = coordinator.status(digests=True)
-        exact = all(isinstance(s, dict) and s["digests"] == expected for s in held.values())
-    finally:
-        client.close()
-        coordinator.close()
-        shard.refit_close()
-        producer.close()
+        exact = all(isinstance(s, RelayStatus) and s.digests == expected for s in held.values())
     return {"rows": rows, "bitexact": exact}
 
 
@@ -463,8 +511,16 @@ def _median_rows(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """One result row from the timed repeats of a case (median seconds)."""
     seconds = [float(r["seconds"]) for r in rows]
     row = {**rows[0], **extra, "seconds": statistics.median(seconds), "repeats": len(rows)}
+    row.pop("reference_s", None)
     row["gbps_dense"] = row["dense_bytes"] / row["seconds"] / 1e9
     return row
+
+
+def _paired(rows: list[dict[str, Any]], nbytes: int) -> PairedRatio:
+    """The rows' refits (subject) against the reference rounds run right before each."""
+    return PairedRatio.of(
+        [float(r["reference_s"]) for r in rows], [float(r["seconds"]) for r in rows], nbytes
+    )
 
 
 # -- loopback --------------------------------------------------------------------------------
@@ -473,39 +529,48 @@ def _median_rows(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 def loopback(
     ctx: BenchContext, sizes: Sizes
 ) -> tuple[list[dict[str, Any]], dict[str, float | bool]]:
-    """Dense and 1%-changed refits through one loopback relay, and raw pyzmq of the bytes."""
+    """Dense and 1%-changed refits through one loopback relay, each dense refit right after a
+    raw pyzmq stream of the same bytes (interleaved rounds)."""
     config = engine_config(sizes.dense_bytes, sizes.hidden)
     nbytes = state_bytes(config)
     repeats = sizes.repeats
-    dense = [Step("loopback_dense", "base", True, pre_encoded=True) for _ in range(repeats + 1)]
+    dense = [
+        Step("loopback_dense", "base", True, pre_encoded=True, paired=True)
+        for _ in range(repeats + 1)
+    ]
     sparse = [Step("loopback_sparse_1pct", s, False) for s in ("new", "base") * repeats]
-    deadline = Deadline(600 + nbytes / 20e6 * (2 * repeats + 2), "relay bench (loopback)")
-    ctx.progress(f"loopback: {len(dense)} dense and {len(sparse)} sparse refits", 0.0)
+    deadline = Deadline(600 + nbytes / 20e6 * (3 * repeats + 3), "relay bench (loopback)")
+    ctx.progress(f"loopback: {len(dense)} dense refits and raw streams, {len(sparse)} sparse", 0.0)
     producing = Producing(
         bucket_bytes=LOOPBACK_BUCKET_BYTES,
         compress=False,
         threads=ctx.threads,
         tuning=LOOPBACK_TUNING,
     )
-    with relays([None], ["127.0.0.1"], config, deadline, LOOPBACK_TUNING) as addresses:
-        produced = produce(addresses, config, [*dense, *sparse], producing)
-    ctx.progress("loopback: raw pyzmq stream", 0.5)
-    stream = zmq_stream(nbytes, repeats=repeats, chunk_bytes=CHUNK_BYTES)
+    with (
+        relays([None], ["127.0.0.1"], config, deadline, LOOPBACK_TUNING) as addresses,
+        LoopbackStream(nbytes, rounds=len(dense), chunk_bytes=CHUNK_BYTES) as stream,
+    ):
+        produced = produce(addresses, config, [*dense, *sparse], producing, reference=stream.round)
+        receiver_cpu = stream.receiver_cpu_s()
+    raw_stream = summarize(stream, receiver_cpu, skip=1)
     ctx.progress("loopback: the least work a transactional receiver adds", 0.75)
     work_s = receiver_extra_s(config, repeats)
     rows = produced["rows"]
-    ours = _median_rows(rows[1 : repeats + 1])  # the first resync warms up
+    timed_dense = rows[1 : repeats + 1]  # the first resync (and raw round) warms up
+    efficiency = _paired(timed_dense, nbytes)
+    ours = _median_rows(timed_dense)
     sparse_row = _median_rows(rows[repeats + 1 :])
     raw = {"case": "loopback_raw_zmq", "dense_bytes": nbytes, "wire_bytes": nbytes}
-    raw.update(seconds=stream.seconds, gbps_dense=stream.gbps, cpu_s=stream.cpu_s)
+    raw.update(seconds=raw_stream.seconds, gbps_dense=raw_stream.gbps, cpu_s=raw_stream.cpu_s)
     raw.update(repeats=repeats)
     work = {"case": "loopback_receiver_extra", "dense_bytes": nbytes, "seconds": work_s}
     work.update(cpu_s=work_s, repeats=repeats)
     cores = len(os.sched_getaffinity(0))
-    bound_s = max(stream.seconds, (stream.cpu_s + work_s) / cores)
+    bound_s = max(raw_stream.seconds, (raw_stream.cpu_s + work_s) / cores)
     summary: dict[str, float | bool] = {
-        "transport_efficiency_vs_raw_zmq": stream.seconds / ours["seconds"],
-        "transport_efficiency_cpu_bound": stream.seconds / bound_s,
+        **efficiency.summary("transport_efficiency_vs_raw_zmq"),
+        "transport_efficiency_cpu_bound": raw_stream.seconds / bound_s,
         "loopback_sparse_1pct_gbps_dense": sparse_row["gbps_dense"],
         "loopback_bitexact": produced["bitexact"],
     }
@@ -539,64 +604,17 @@ def receiver_extra_s(config: ReferenceModelConfig, repeats: int) -> float:
 # -- shaped links ----------------------------------------------------------------------------
 
 
-def _star_sender(
-    ip: str, receivers: int, nbytes: int, rounds: int, timeout_s: float
-) -> list[float]:
-    """Producer of the raw star: ``nbytes`` to each receiver at once, per round, timed to the
-    last acknowledgement (receivers are ``refit_lab.bench.references``' zmq receivers)."""
-    deadline = Deadline(timeout_s, "raw star sender")
-    view = np.full(nbytes, _FILL, dtype=np.uint8).data
-    times: list[float] = []
-    with zmq.Context() as context:
-        context.setsockopt(zmq.LINGER, 0)
-        pushes, acks = [], []
-        for index in range(receivers):
-            push, ack = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-            push.bind(f"tcp://{ip}:{_RAW_PORT + index}")
-            ack.bind(f"tcp://{ip}:{_RAW_PORT + 100 + index}")
-            pushes.append(push)
-            acks.append(ack)
-        for ack in acks:
-            _await(ack, deadline)
-        for _ in range(rounds):
-            started = time.perf_counter()
-            senders = [
-                threading.Thread(target=_push_all, args=(push, view, deadline)) for push in pushes
-            ]
-            for sender in senders:
-                sender.start()
-            for sender in senders:
-                sender.join(deadline.remaining_s())
-            for ack in acks:
-                _await(ack, deadline)
-            times.append(time.perf_counter() - started)
-        for sock in (*pushes, *acks):
-            sock.close()
-    return times
-
-
-def _push_all(push: zmq.Socket[bytes], view: memoryview, deadline: Deadline) -> None:
-    for offset in range(0, len(view), CHUNK_BYTES):
-        while not push.poll(100, zmq.POLLOUT):
-            deadline.check()
-        push.send(view[offset : offset + CHUNK_BYTES], copy=False)
-
-
-def _await(sock: zmq.Socket[bytes], deadline: Deadline) -> None:
-    while not sock.poll(100):
-        deadline.check()
-    sock.recv()
-
-
-def raw_star(
+@contextlib.contextmanager
+def raw_receivers(
     lan: ShapedLan, receivers: int, nbytes: int, rounds: int, deadline: Deadline
-) -> list[float]:
-    """Round times of raw pyzmq streams from host 0 to hosts 1..``receivers`` at once."""
+) -> Iterator[ChildGroup[Any]]:
+    """Raw pyzmq receivers on hosts 1..``receivers``, connecting to a :class:`StarReference`
+    sender on host 0, for ``rounds`` rounds."""
     producer_ip = lan.ips[0]
-    receiver_args = [
+    args = [
         (
             lan.namespaces[i],
-            _zmq_receiver,
+            zmq_receiver,
             f"tcp://{producer_ip}:{_RAW_PORT + i - 1}",
             f"tcp://{producer_ip}:{_RAW_PORT + 99 + i}",
             nbytes,
@@ -606,29 +624,21 @@ def raw_star(
         )
         for i in range(1, receivers + 1)
     ]
-    sender_args = [
-        (
-            lan.namespaces[0],
-            _star_sender,
-            producer_ip,
-            receivers,
-            nbytes,
-            rounds,
-            deadline.remaining_s(),
-        )
+    with ChildGroup(_in_netns, args, deadline=deadline, name="raw-receiver") as group:
+        yield group
+        group.results()
+
+
+def _traffic(lan: ShapedLan, before: list[dict[str, int]], hosts: int) -> list[dict[str, int]]:
+    return [
+        {k: after[k] - b[k] for k in after}
+        for after, b in zip(lan.counters()[: hosts + 1], before, strict=False)
     ]
-    with (
-        ChildGroup(_in_netns, receiver_args, deadline=deadline, name="raw-receiver") as receiving,
-        ChildGroup(_in_netns, sender_args, deadline=deadline, name="raw-sender") as sending,
-    ):
-        (times,) = sending.results()
-        receiving.results()
-    result: list[float] = times
-    return result
 
 
 def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[str, float | bool]]:
-    """The shaped-link cases (see the module docstring)."""
+    """The shaped-link cases (see the module docstring); every refit is paired with a raw
+    round run right before it on the same links."""
     hosts = 1 + max(sizes.receivers)
     dense_config = engine_config(sizes.dense_bytes, sizes.hidden)
     tree_config = engine_config(sizes.tree_bytes, sizes.hidden)
@@ -636,70 +646,72 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
     link_s = 8 * (dense_bytes + sum(sizes.receivers) * 2 * tree_bytes) / 500e6
     deadline = Deadline(900 + 4 * sizes.repeats * link_s, "relay bench (shaped)")
     rows: list[dict[str, Any]] = []
+    pairs: dict[str, PairedRatio] = {}
     exact = True
     with ShapedLan(hosts) as lan:
-        ctx.progress("shaped: raw dense transfer to one host", 0.05)
-        raw = raw_star(lan, 1, dense_bytes, sizes.repeats + 1, deadline)[1:]
+        ctx.progress("shaped: 1%-changed refits through one relay, raw dense transfers", 0.05)
+        steps = [Step("resync", "base", True, paired=True)] + [
+            Step("shaped_sparse_1pct", s, False, paired=True)
+            for s in ("new", "base") * sizes.repeats
+        ]
+        star = StarReference(lan.ips[0], 1, dense_bytes, deadline.remaining_s())
+        with raw_receivers(lan, 1, dense_bytes, len(steps), deadline):
+            produced = _produce_in(
+                lan, 1, dense_config, steps, Producing(threads=ctx.threads), deadline, star
+            )
+        timed = produced["rows"][1:]
+        pairs["shaped_sparse_speedup_vs_dense"] = _paired(timed, dense_bytes)
+        raw_s = statistics.median(float(r["reference_s"]) for r in timed)
         rows.append(
             {
                 "case": "shaped_raw_dense",
                 "receivers": 1,
-                "seconds": statistics.median(raw),
+                "seconds": raw_s,
                 "dense_bytes": dense_bytes,
                 "wire_bytes": dense_bytes,
             }
         )
-        ctx.progress("shaped: 1%-changed refit through one relay", 0.15)
-        steps = [Step("resync", "base", True)] + [
-            Step("shaped_sparse_1pct", s, False) for s in ("new", "base") * sizes.repeats
-        ]
-        produced = _produce_in(
-            lan, 1, dense_config, steps, Producing(threads=ctx.threads), deadline
-        )
-        rows.append(_median_rows(produced["rows"][1:], receivers=1))
+        rows.append(_median_rows(timed, receivers=1))
         exact &= bool(produced["bitexact"])
         for done, receivers in enumerate(sizes.receivers):
             ctx.progress(
-                f"shaped: {receivers} receivers, tree and star",
+                f"shaped: {receivers} receivers, tree and star interleaved",
                 0.25 + 0.7 * done / len(sizes.receivers),
             )
-            before = lan.counters()
-            steps = [Step("shaped_tree_dense", "base", True) for _ in range(sizes.repeats + 1)]
-            produced = _produce_in(
-                lan,
-                receivers,
-                tree_config,
-                steps,
-                Producing(compress=False, threads=ctx.threads),
-                deadline,
-            )
-            traffic = [
-                {k: after[k] - b[k] for k in after}
-                for after, b in zip(lan.counters(), before, strict=True)
+            before = lan.counters()[: receivers + 1]
+            steps = [
+                Step("shaped_tree_dense", "base", True, paired=True)
+                for _ in range(sizes.repeats + 1)
             ]
-            rows.append(
-                _median_rows(
-                    produced["rows"][1:], receivers=receivers, veth_bytes=traffic[: receivers + 1]
+            star = StarReference(lan.ips[0], receivers, tree_bytes, deadline.remaining_s())
+            with raw_receivers(lan, receivers, tree_bytes, len(steps), deadline):
+                produced = _produce_in(
+                    lan,
+                    receivers,
+                    tree_config,
+                    steps,
+                    Producing(compress=False, threads=ctx.threads),
+                    deadline,
+                    star,
                 )
-            )
+            traffic = _traffic(lan, before, receivers)
+            timed = produced["rows"][1:]
+            tree_s = [float(r["seconds"]) for r in timed]
+            star_s = [float(r["reference_s"]) for r in timed]
+            pairs[f"tree_vs_star_{receivers}"] = PairedRatio.of(star_s, tree_s, tree_bytes)
             exact &= bool(produced["bitexact"])
-            before = lan.counters()
-            star = raw_star(lan, receivers, tree_bytes, sizes.repeats + 1, deadline)[1:]
-            traffic = [
-                {k: after[k] - b[k] for k in after}
-                for after, b in zip(lan.counters(), before, strict=True)
-            ]
+            rows.append(_median_rows(timed, receivers=receivers, veth_bytes_tree_and_star=traffic))
             rows.append(
                 {
                     "case": "shaped_star_dense",
                     "receivers": receivers,
-                    "seconds": statistics.median(star),
+                    "seconds": statistics.median(star_s),
                     "dense_bytes": tree_bytes,
                     "wire_bytes": receivers * tree_bytes,
-                    "veth_bytes": traffic[: receivers + 1],
+                    "veth_bytes_tree_and_star": traffic,
                 }
             )
-    return rows, _shaped_summary(rows, exact)
+    return rows, _shaped_summary(rows, pairs, exact)
 
 
 def _produce_in(
@@ -709,30 +721,35 @@ def _produce_in(
     steps: Sequence[Step],
     producing: Producing,
     deadline: Deadline,
+    star: StarReference,
 ) -> dict[str, Any]:
-    """Relays on hosts 1..``receivers`` (a chain rooted at host 1), the producer on host 0."""
+    """Relays on hosts 1..``receivers`` (a chain rooted at host 1), the producer on host 0
+    (which also sends the raw star's rounds)."""
     hosts = range(1, receivers + 1)
     netns = [lan.namespaces[i] for i in hosts]
     ips = [lan.ips[i] for i in hosts]
     with relays(netns, ips, config, deadline) as addresses:
-        args = [(lan.namespaces[0], produce, addresses, config, steps, producing)]
+        args = [(lan.namespaces[0], produce, addresses, config, steps, producing, 0, star)]
         with ChildGroup(_in_netns, args, deadline=deadline, name="producer") as producer:
             (produced,) = producer.results()
     result: dict[str, Any] = produced
     return result
 
 
-def _shaped_summary(rows: list[dict[str, Any]], exact: bool) -> dict[str, float | bool]:
+def _shaped_summary(
+    rows: list[dict[str, Any]], pairs: dict[str, PairedRatio], exact: bool
+) -> dict[str, float | bool]:
     def seconds(case: str, receivers: int) -> float:
         return next(
             float(r["seconds"]) for r in rows if r["case"] == case and r["receivers"] == receivers
         )
 
     most = max(int(r["receivers"]) for r in rows)
+    one = pairs["tree_vs_star_1"]
     return {
-        "shaped_sparse_speedup_vs_dense": seconds("shaped_raw_dense", 1)
-        / seconds("shaped_sparse_1pct", 1),
-        "shaped_tree1_vs_star1": seconds("shaped_tree_dense", 1) / seconds("shaped_star_dense", 1),
+        **pairs["shaped_sparse_speedup_vs_dense"].summary("shaped_sparse_speedup_vs_dense"),
+        "shaped_tree1_vs_star1": one.ratio,
+        "shaped_tree1_vs_star1_reference_gbps": one.subject_gbps,
         f"shaped_tree_time_ratio_{most}_vs_1": seconds("shaped_tree_dense", most)
         / seconds("shaped_tree_dense", 1),
         f"shaped_star_time_ratio_{most}_vs_1": seconds("shaped_star_dense", most)

@@ -6,8 +6,9 @@ buckets of 64 MiB (a handful of flattened shared-memory buffers and calls), once
 size of one byte (every tensor alone: one buffer, one handle and one
 ``update_weights_from_tensor`` call per tensor). Both cases make the same calls with the same
 hops (pause, updates, flush, continue; the receiver unpickles each payload, maps the buffer
-and copies every tensor into its own weights, as SGLang does). memcpy of the same bytes is the
-reference. ``bitexact`` checks the receiver's weights after every case.
+and copies every tensor into its own weights, as SGLang does). memcpy of the same bytes, and
+both cases, run once per round, interleaved; ratios are medians of per-round ratios, with
+the reference's rate beside them. ``bitexact`` checks every receiver's weights at the end.
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ from __future__ import annotations
 import base64
 import logging
 import pickle
+import statistics
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from refit_core.sources import StateDictSource
-from refit_lab.bench.harness import BenchContext, BenchReport, gbps, machine_info, timeit
-from refit_lab.bench.references import memcpy_gbps
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    gbps,
+    machine_info,
+    timeit,
+)
+from refit_lab.bench.references import Memcpy
 from refit_lab.bench.runtime import torch_threads
 
 logger = logging.getLogger(__name__)
@@ -85,8 +95,8 @@ class _Receiver:
         )
 
 
-def _case(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> tuple[float, bool]:
-    """Median seconds of one refit, and whether the receiver ends bit-exact."""
+def _synchronizer(state: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[Any, _Receiver]:
+    """refit-sglang's colocated synchronizer into its own receiver."""
     from refit_sglang import ColocatedOptions, ColocatedSGLangSynchronizer, EngineClient
 
     receiver = _Receiver(state)
@@ -95,43 +105,52 @@ def _case(state: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> tu
         [EngineClient(receiver)],
         options=ColocatedOptions(bucket_size_bytes=bucket_bytes),
     )
-    try:
-        stats = timeit(synchronizer.sync_weights, repeats=repeats, warmup=1)
-    finally:
-        synchronizer.shutdown()
-    return stats.median_s, receiver.matches(state)
+    return synchronizer, receiver
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    """The registered entry point: about 8 MiB in 1000 tensors when quick, 128 MiB otherwise."""
+    """The registered entry point: about 8 MiB in 1000 tensors when quick, 128 MiB otherwise.
+
+    Every round runs memcpy, then each case once (interleaved), after one warm-up round.
+    """
     state = bench_state(QUICK_ELEMENTS if ctx.quick else FULL_ELEMENTS)
     total = sum(t.numel() * t.element_size() for t in state.values())
     repeats = 5 if ctx.quick else 3
-    ctx.progress(f"memcpy {total} bytes", 0.0)
+    memcpy = Memcpy(total, threads=ctx.threads)
+    seconds: dict[str, list[float]] = {"memcpy": [], **{case: [] for case in CASES}}
+    built = {case: _synchronizer(state, bucket_bytes) for case, bucket_bytes in CASES.items()}
+    try:
+        with torch_threads(ctx.threads):
+            for index in range(repeats + 1):
+                ctx.progress(f"round {index} of {repeats}", index / (repeats + 1))
+                took = {"memcpy": memcpy.seconds()}
+                for case, (synchronizer, _) in built.items():
+                    took[case] = timeit(synchronizer.sync_weights, repeats=1, warmup=0).min_s
+                for case, elapsed in took.items():
+                    if index:
+                        seconds[case].append(elapsed)
+    finally:
+        for synchronizer, _ in built.values():
+            synchronizer.shutdown()
+    exact = {case: receiver.matches(state) for case, (_, receiver) in built.items()}
+    memcpy_s = statistics.median(seconds["memcpy"])
     results: list[dict[str, object]] = [
-        {
-            "case": "memcpy",
-            "nbytes": total,
-            "gbps": memcpy_gbps(total, repeats=repeats, threads=ctx.threads),
-        }
+        {"case": "memcpy", "nbytes": total, "gbps": gbps(total, memcpy_s)}
     ]
-    seconds: dict[str, float] = {}
-    exact = True
-    with torch_threads(ctx.threads):
-        for index, (case, bucket_bytes) in enumerate(CASES.items()):
-            ctx.progress(f"{case}: {len(state)} tensors", (index + 1) / (len(CASES) + 1))
-            seconds[case], ok = _case(state, bucket_bytes, repeats)
-            exact = exact and ok
-            results.append(
-                {
-                    "case": case,
-                    "tensors": len(state),
-                    "nbytes": total,
-                    "seconds": seconds[case],
-                    "gbps": gbps(total, seconds[case]),
-                    "bitexact": ok,
-                }
-            )
+    for case in CASES:
+        vs_memcpy = PairedRatio.of(seconds[case], seconds["memcpy"], total)
+        results.append(
+            {
+                "case": case,
+                "tensors": len(state),
+                "nbytes": total,
+                "seconds": statistics.median(seconds[case]),
+                "gbps": vs_memcpy.subject_gbps,
+                "vs_memcpy": vs_memcpy.ratio,
+                "bitexact": exact[case],
+            }
+        )
+    speedup = PairedRatio.of(seconds["flattened"], seconds["per_tensor"], total)
     ctx.progress("sglang done", 1.0)
     return BenchReport(
         bench="sglang",
@@ -139,7 +158,7 @@ def run(ctx: BenchContext) -> BenchReport:
         machine=machine_info(),
         results=results,
         summary={
-            "bucket_speedup_vs_per_tensor": seconds["per_tensor"] / seconds["flattened"],
-            "bitexact": exact,
+            **speedup.summary("bucket_speedup_vs_per_tensor"),
+            "bitexact": all(exact.values()),
         },
     )

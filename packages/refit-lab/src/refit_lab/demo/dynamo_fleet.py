@@ -39,7 +39,10 @@ class DynamoDemoFleet:
         self._workers = workers
         self._admin = AdminClient(control_timeout_s)
         self.channel = DynamoRefitChannel(
-            [w.endpoint for w in workers], engine_world_size=1, control_timeout_s=control_timeout_s
+            [w.endpoint for w in workers],
+            engine_world_size=1,
+            control_timeout_s=control_timeout_s,
+            device="cpu",  # reference engines receive over gloo
         )
 
     @property

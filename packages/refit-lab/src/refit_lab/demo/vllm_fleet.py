@@ -2,10 +2,10 @@
 trainer's initial checkpoint, each with the receiver of the demo's transport.
 
 No Ray here: every ``vllm.LLM`` already runs its model in an engine-core process of its own,
-and the engine venv has no Ray. Bitwise digests are exposed where the receiver keeps
-checkpoint-format values (the sparse relay's shadow); the collective and IPC receivers load
-straight into vLLM's repacked parameters, so for them only the served version and the
-tokens are checked. vLLM's bf16 kernels do not reproduce the trainer's float32 forward
+and the engine venv has no Ray. Bitwise digests are exposed where the receiver can read the
+checkpoint back (the sparse receiver: from the runtime parameters it writes in place and from
+its shadow of the repacked ones); the collective and IPC receivers load straight into vLLM's
+repacked parameters, so for them only the served version and the tokens are checked. vLLM's bf16 kernels do not reproduce the trainer's float32 forward
 (measured: 5 to 7 of 8 greedy continuations equal), so the token oracle is a fresh engine
 started on the final weights (:meth:`VllmFleet.fresh_tokens`).
 """
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from refit_lab.demo.vllm_checkpoint import write_llama_checkpoint
-from refit_lab.demo.vllm_worker import WORKER_EXTENSION
 from refit_lab.reference_engine import ReferenceModelConfig
 
 __all__ = ["VllmFleet"]
@@ -29,6 +28,7 @@ __all__ = ["VllmFleet"]
 logger = logging.getLogger(__name__)
 
 _KV_CACHE_GB = "1"
+_RPC_TIMEOUT_S = 120.0
 
 
 def _engine_args(transport: str) -> dict[str, Any]:
@@ -38,10 +38,7 @@ def _engine_args(transport: str) -> dict[str, Any]:
         return nccl_engine_args()
     from refit_zmq.vllm import engine_args as zmq_engine_args
 
-    args = zmq_engine_args("ipc" if transport == "ipc" else "zmq_sparse")
-    if transport == "zmq_sparse":
-        args["worker_extension_cls"] = WORKER_EXTENSION
-    return args
+    return zmq_engine_args("ipc" if transport == "ipc" else "zmq_sparse")
 
 
 class VllmFleet:
@@ -115,7 +112,9 @@ class VllmFleet:
         return int(version) if version.isdigit() else None
 
     def _state_digests(self, llm: Any) -> dict[str, int]:
-        (digests,) = llm.collective_rpc("refit_demo_shadow_digests")
+        from refit_zmq.vllm.engines import call_workers
+
+        (digests,) = call_workers(llm, "demo engine", "checkpoint_digests", (), _RPC_TIMEOUT_S)
         return dict(digests)
 
     def _generate(

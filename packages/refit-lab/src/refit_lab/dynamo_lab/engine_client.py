@@ -3,15 +3,27 @@ reference engines: one replica per engine rank, each joining the trainer's gloo 
 vLLM's receiver does, from ``init_info`` alone, by vLLM's rendezvous) and receiving vLLM's
 packed broadcast through refit-nccl.
 
-``collective_rpc`` runs a vLLM worker-extension method on every rank at once, as vLLM does:
-``init_weight_transfer_engine(init_info)``, ``start_weight_update(is_checkpoint_format)``,
-``update_weights(update_info)``, ``finish_weight_update()``. Faults can be injected per
-method (fail with a message, or delay) and every call is logged, for tests to inspect.
+``collective_rpc`` runs a vLLM worker method on every rank at once, as vLLM does, with vLLM's
+signatures and parsing (``vllm/v1/worker/gpu_worker.py`` and ``distributed/weight_transfer/
+nccl_common.py`` / ``nccl_engine.py``, the same in vLLM 0.31.0 and 0.32.0):
+``init_weight_transfer_engine(init_info)`` (the fields of ``NCCLWeightTransferInitInfo``,
+packing geometry included; packed defaults to false), ``start_weight_update()``,
+``update_weights(update_info)`` (exactly ``names``, ``dtype_names``, ``shapes``: vLLM's
+``parse_update_info`` refuses any other key), ``finish_weight_update()``. The engine tier checks
+these bodies against vLLM's own classes (``tests/engine/test_dynamo_vllm.py``). Faults can be
+injected per method (fail with a message, or delay) and every call is logged, for tests to
+inspect.
+
+With ``REFIT_LAB_RECEIVER=vllm-nccl`` in the worker's environment each rank joins and receives
+the way vLLM's ``NCCLWeightTransferEngine`` does, with vLLM's own code on GPU ``local_rank``
+(``stateless_init_process_group`` from the parsed ``NCCLWeightTransferInitInfo``, then
+``packed_nccl_broadcast_consumer`` over the parsed update info); it needs a CUDA build of vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +35,11 @@ from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
 from refit_nccl.backend import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
 
-__all__ = ["Fault", "ReferenceEngineClient"]
+__all__ = ["RECEIVER_ENV", "Fault", "ReferenceEngineClient"]
+
+RECEIVER_ENV = "REFIT_LAB_RECEIVER"
+"""``vllm-nccl``: ranks receive with vLLM's own NCCL worker code; otherwise over refit's gloo
+group by vLLM's rendezvous."""
 
 JOIN_S = 60.0
 """How long a rank waits for the group's other members (vLLM has no such deadline)."""
@@ -39,6 +55,31 @@ class Fault:
     fail: str | None = None
 
 
+_INIT_FIELDS = {
+    "master_address": None,
+    "master_port": None,
+    "rank_offset": None,
+    "world_size": None,
+    "nccl_unique_id_b64": None,
+    "packed": False,
+    "packed_buffer_size_bytes": 1 << 30,
+    "packed_num_buffers": 2,
+}
+"""``NCCLWeightTransferInitInfo``'s fields and defaults (None: no default used here)."""
+_UPDATE_FIELDS = ("names", "dtype_names", "shapes")
+"""``NCCLWeightTransferUpdateInfo``'s fields."""
+
+
+def _parsed(info: dict[str, Any], fields: Any, kind: str) -> dict[str, Any]:
+    """``info`` with its defaults filled in; ValueError for an unknown key, as vLLM's
+    ``parse_init_info`` / ``parse_update_info`` raise."""
+    unknown = sorted(set(info) - set(fields))
+    if unknown:
+        raise ValueError(f"Invalid {kind}: unexpected keyword argument {unknown[0]!r}")
+    defaults = fields if isinstance(fields, dict) else {}
+    return {**{k: v for k, v in defaults.items() if v is not None}, **info}
+
+
 @dataclass
 class _Rank:
     """One engine rank: its replica of the model and its place in the trainer's group."""
@@ -46,11 +87,23 @@ class _Rank:
     local_rank: int
     engine: ReferenceEngine
     group: AbortableProcessGroup | None = None
+    vllm_comm: Any = None
+    """vLLM's ``PyNcclCommunicator`` (``REFIT_LAB_RECEIVER=vllm-nccl``)."""
     updating: bool = False
     updates: int = 0
+    geometry: CollectiveSenderSpec | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        if os.environ.get(RECEIVER_ENV) == "vllm-nccl":
+            self._join_vllm_nccl(init_info)
+            return
+        init_info = _parsed(init_info, _INIT_FIELDS, "init_info")
+        if not init_info["packed"]:
+            raise ValueError("the lab receives vLLM's packed broadcast only (packed: true)")
+        self.geometry = CollectiveSenderSpec(
+            "vllm", init_info["packed_buffer_size_bytes"], init_info["packed_num_buffers"]
+        )
         if self.group is not None:
             self.group.abort("replaced by a new group")
         self.group = AbortableProcessGroup(
@@ -66,24 +119,69 @@ class _Rank:
         )
         self.group.connect(Deadline.after(JOIN_S))
 
-    def start_weight_update(self, is_checkpoint_format: bool = False) -> None:
+    def start_weight_update(self) -> None:
         if self.updating:
             raise RuntimeError("a weight update is already active")
         self.updating = True
 
+    def _join_vllm_nccl(self, init_info: dict[str, Any]) -> None:
+        """What vLLM's worker runs (``worker_init_process_group``), on GPU ``local_rank``."""
+        from vllm.distributed.weight_transfer.nccl_common import (
+            NCCLWeightTransferInitInfo,
+            stateless_init_process_group,
+        )
+
+        info = NCCLWeightTransferInitInfo(**init_info)
+        assert info.master_address is not None and info.master_port is not None
+        torch.cuda.set_device(self.local_rank)
+        self.geometry = CollectiveSenderSpec(
+            "vllm", info.packed_buffer_size_bytes, info.packed_num_buffers
+        )
+        self.vllm_comm = stateless_init_process_group(
+            info.master_address,
+            info.master_port,
+            info.rank_offset + self.local_rank,
+            info.world_size,
+            device=self.local_rank,
+        )
+
+    def _receive_vllm_nccl(self, update_info: dict[str, Any]) -> None:
+        """What vLLM's ``NCCLWeightTransferEngine.receive_weights`` runs when packed."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        info = NCCLWeightTransferUpdateInfo(**update_info)
+        assert self.geometry is not None
+        torch.cuda.set_device(self.local_rank)
+        packed_nccl_broadcast_consumer(
+            iterator=(
+                (name, (shape, getattr(torch, dtype)))
+                for name, dtype, shape in zip(
+                    info.names, info.dtype_names, info.shapes, strict=True
+                )
+            ),
+            group=self.vllm_comm,
+            src=0,
+            post_unpack_func=lambda items: self._load([(n, t.cpu()) for n, t in items]),
+            buffer_size_bytes=self.geometry.buffer_size_bytes,
+            num_buffers=self.geometry.num_buffers,
+            device=f"cuda:{self.local_rank}",
+        )
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        if not self.updating or self.group is None:
+        if self.updating and self.vllm_comm is not None:
+            self._receive_vllm_nccl(update_info)
+            return
+        if not self.updating or self.group is None or self.geometry is None:
             raise RuntimeError("update_weights outside a started update or without a group")
+        update_info = _parsed(update_info, _UPDATE_FIELDS, "update_info")
         info = {
             name: TensorSpec(tuple(shape), dtype)
             for name, dtype, shape in zip(
                 update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
             )
         }
-        geometry = CollectiveSenderSpec(
-            "vllm", update_info["packed_buffer_size_bytes"], update_info["packed_num_buffers"]
-        )
-        plan = TransferPlan.build(info, geometry)
+        plan = TransferPlan.build(info, self.geometry)
         receive_packed(self.group, plan, self._load, Deadline.after(RECEIVE_S))
 
     def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:

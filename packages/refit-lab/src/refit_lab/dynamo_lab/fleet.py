@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +84,7 @@ def _read_line(stream: IO[str], timeout_s: float) -> str:
     return lines[0]
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[str]:
+def _spawn(args: list[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[str]:
     with log.open("w") as sink:
         return subprocess.Popen(
             [sys.executable, *args],
@@ -92,7 +92,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[str]:
             stdout=subprocess.PIPE,
             stderr=sink,
             text=True,
-            env={**os.environ, **_ENV},
+            env={**os.environ, **_ENV, **env},
         )
 
 
@@ -107,7 +107,9 @@ def _ready(index: int, process: subprocess.Popen[str], log: Path) -> Worker:
 
 
 @contextmanager
-def _processes(commands: list[list[str]], log_dir: Path) -> Iterator[Callable[[], list[Worker]]]:
+def _processes(
+    commands: list[list[str]], log_dir: Path, env: Mapping[str, str] | None = None
+) -> Iterator[Callable[[], list[Worker]]]:
     """Spawn one process per command; yields a call that waits until they all serve.
 
     Spawning returns at once, so other setup (Ray) can overlap the workers' start. Every
@@ -116,7 +118,9 @@ def _processes(commands: list[list[str]], log_dir: Path) -> Iterator[Callable[[]
     processes: list[subprocess.Popen[str]] = []
     logs = [log_dir / f"dynamo-worker-{i}.log" for i in range(len(commands))]
     try:
-        processes = [_spawn(command, log) for command, log in zip(commands, logs, strict=True)]
+        processes = [
+            _spawn(command, log, env or {}) for command, log in zip(commands, logs, strict=True)
+        ]
         yield functools.cache(
             lambda: [
                 _ready(i, p, log) for i, (p, log) in enumerate(zip(processes, logs, strict=True))
@@ -130,12 +134,17 @@ def _processes(commands: list[list[str]], log_dir: Path) -> Iterator[Callable[[]
 
 
 def dynamo_fleet(
-    size: int, seed: int, log_dir: Path, config: ReferenceModelConfig = DEFAULT_MODEL
+    size: int,
+    seed: int,
+    log_dir: Path,
+    config: ReferenceModelConfig = DEFAULT_MODEL,
+    env: Mapping[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[Callable[[], list[Worker]]]:
     """``size`` reference-engine workers of ``config``, all starting from
-    ``random_checkpoint(config, seed)``."""
+    ``random_checkpoint(config, seed)``; ``env`` is added to their environment (for example
+    ``REFIT_LAB_RECEIVER=vllm-nccl`` and ``CUDA_VISIBLE_DEVICES``)."""
     command = ["-m", WORKER_MODULE, str(seed), json.dumps(dataclasses.asdict(config))]
-    return _processes([command] * size, log_dir)
+    return _processes([command] * size, log_dir, env)
 
 
 def bare_worker(log_dir: Path) -> contextlib.AbstractContextManager[Callable[[], list[Worker]]]:

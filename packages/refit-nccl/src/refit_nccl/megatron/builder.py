@@ -4,7 +4,8 @@ Each process builds its own synchronizer (SPMD): ``policy`` and ``generation`` a
 :class:`MegatronSide` s giving the whole layout of their side and, where this process holds a
 rank of that side, its rank and shards (a process outside a side returns rank None and no
 shards). ``train_cluster.get_master_address_and_port()`` must return the same address on every
-process; it is called only when some copy crosses between processes.
+process; it is called only when some copy crosses between processes. The processes agree on
+the group's backend from the device of each one's shards (NCCL when all are on CUDA).
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ def _build(request: SynchronizerRequest, *, colocated: bool) -> MegatronWeightSy
         policy.megatron_shards,
         generation.megatron_shards,
         cluster.get_master_address_and_port if isinstance(cluster, RendezvousCluster) else None,
-        backend="nccl" if torch.cuda.is_available() else "gloo",
         refit_timeout_s=request.refit_timeout_s,
     )
 

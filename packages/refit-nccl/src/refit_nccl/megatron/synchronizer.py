@@ -19,6 +19,7 @@ import torch
 from refit_core import RefitResult, WeightSynchronizer
 from refit_core.backend import Deadline
 from refit_nccl.backends import Backend
+from refit_nccl.devices import DeviceType
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.megatron.executor import execute_reshard
 from refit_nccl.megatron.plan import ReshardPlan
@@ -45,7 +46,9 @@ class MegatronWeightSynchronizer(WeightSynchronizer):
         destinations: this process's inference shards, written in place.
         rendezvous: where the group meets, called again for each rebuild; may be None
             when :attr:`needs_group` is False.
-        backend: the group's backend.
+        backend: the group's backend; None: the processes agree on it when the group connects,
+            each reporting the device of its shards (NCCL when all are on CUDA, gloo when all
+            are on CPU, mixed devices refused on every process).
         refit_timeout_s: deadline of one refit (None disarms it).
     """
 
@@ -57,7 +60,7 @@ class MegatronWeightSynchronizer(WeightSynchronizer):
         destinations: Shards,
         rendezvous: Rendezvous | None,
         *,
-        backend: Backend = "gloo",
+        backend: Backend | None = None,
         refit_timeout_s: float | None = None,
     ) -> None:
         super().__init__(refit_timeout_s=refit_timeout_s)
@@ -84,11 +87,24 @@ class MegatronWeightSynchronizer(WeightSynchronizer):
             return
         host, port = self._rendezvous()
         spec = GroupSpec(
-            host, port, self.process, self.plan.world_size, self._backend, name="refit-megatron"
+            host,
+            port,
+            self.process,
+            self.plan.world_size,
+            self._backend,
+            name="refit-megatron",
+            device=self._shard_device(),
         )
         group = AbortableProcessGroup(spec)
         group.connect(deadline)
         self._group = group
+
+    def _shard_device(self) -> DeviceType | None:
+        """The device type of this process's shards (None when it holds none)."""
+        for shards in (self._sources(), self._destinations()):
+            for tensor in shards.values():
+                return "cuda" if tensor.is_cuda else "cpu"
+        return None
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
         started = time.monotonic()

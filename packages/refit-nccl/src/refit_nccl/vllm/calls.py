@@ -17,7 +17,14 @@ from refit_core import BackendNotInstalledError, ProtocolError, Recovery, RefitE
 from refit_core.backend import refit_error_type, role_methods
 from refit_nccl.roles import CollectiveEngineRole
 
-__all__ = ["ENDPOINT_METHODS", "decode_call", "decode_reply", "encode_call", "encode_reply"]
+__all__ = [
+    "ENDPOINT_METHODS",
+    "decode_call",
+    "decode_reply",
+    "encode_call",
+    "encode_reply",
+    "reply_partial",
+]
 
 ENDPOINT_METHODS = role_methods(CollectiveEngineRole)
 """The methods of the engine role a controller may call."""
@@ -35,6 +42,7 @@ class _Reply:
     error_type: str | None = None
     error_message: str = ""
     recovery: str | None = None
+    partial: bool = False
 
 
 def encode_call(method: str, args: tuple[Any, ...]) -> bytes:
@@ -60,14 +68,33 @@ def decode_call(data: bytes) -> tuple[str, tuple[Any, ...]]:
     return call.method, call.args
 
 
-def encode_reply(result: Any = None, error: BaseException | None = None) -> bytes:
-    """A result, or an error by type name and message (exceptions do not always unpickle)."""
+def encode_reply(
+    result: Any = None, error: BaseException | None = None, *, partial: bool = False
+) -> bytes:
+    """A result, or an error by type name and message (exceptions do not always unpickle),
+    and whether the worker's model now holds weights other than the version it serves."""
     if error is None:
-        reply = _Reply(result)
+        reply = _Reply(result, partial=partial)
     else:
         recovery = error.recovery.value if isinstance(error, RefitError) else None
-        reply = _Reply(None, type(error).__name__, str(error), recovery)
+        reply = _Reply(None, type(error).__name__, str(error), recovery, partial)
     return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _reply(data: bytes, worker: str) -> _Reply:
+    reply = pickle.loads(data)
+    if not isinstance(reply, _Reply):
+        raise ProtocolError(f"{worker}: not a refit reply: {type(reply).__name__}")
+    return reply
+
+
+def reply_partial(data: bytes, worker: str) -> bool:
+    """Whether the replying worker's model holds weights other than the version it serves.
+
+    Raises:
+        ProtocolError: not an encoded reply.
+    """
+    return _reply(data, worker).partial
 
 
 def decode_reply(data: bytes, worker: str, method: str) -> Any:
@@ -78,9 +105,7 @@ def decode_reply(data: bytes, worker: str, method: str) -> Any:
     Raises:
         ProtocolError: not an encoded reply.
     """
-    reply = pickle.loads(data)
-    if not isinstance(reply, _Reply):
-        raise ProtocolError(f"{worker}: not a refit reply: {type(reply).__name__}")
+    reply = _reply(data, worker)
     if reply.error_type is None:
         return reply.result
     name = "RefitTimeoutError" if reply.error_type == "TimeoutError" else reply.error_type

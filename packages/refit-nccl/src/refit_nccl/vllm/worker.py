@@ -2,13 +2,15 @@
 
 vLLM's native weight-update methods return nothing, while the collective synchronizer needs
 answers (geometry, plan digests, transfer stats), so refit-nccl adds one worker method,
-``refit_nccl_call``, taking and returning bytes (:mod:`refit_nccl.vllm.calls`). Start the
+``refit_nccl_call``, taking one encoded call per worker rank (vLLM runs an RPC on every
+worker of the engine at once) and returning bytes (:mod:`refit_nccl.vllm.calls`). Start the
 engine with ``worker_extension_cls=WORKER_EXTENSION``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from refit_core import RefitError
@@ -21,37 +23,49 @@ __all__ = ["CollectiveWorkerExtension"]
 logger = logging.getLogger(__name__)
 
 _TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
+_COMMIT = method_name(CollectiveEngineRole.refit_commit)
 
 
 class CollectiveWorkerExtension:
     """Mixed into vLLM's worker class (``self`` is the worker); vLLM refuses an extension
     whose attribute names clash with the worker's, hence the prefixed names."""
 
-    def refit_nccl_call(self, request: bytes) -> bytes:
-        """Run one endpoint call on this worker's refit-nccl receiver; the reply as bytes."""
-        try:
-            from refit_nccl.vllm.engine import VllmCollectiveReceiver
+    def refit_nccl_call(self, requests: Sequence[bytes]) -> bytes:
+        """Run this rank's call (``requests[rank]``) on its refit-nccl receiver; the reply as
+        bytes, with whether the model now holds weights other than the version it serves."""
+        from refit_nccl.vllm.engine import VllmCollectiveReceiver
 
-            worker: Any = self
-            receiver = worker.weight_transfer_engine
+        worker: Any = self
+        receiver = worker.weight_transfer_engine
+        partial = isinstance(receiver, VllmCollectiveReceiver) and receiver.partial
+        try:
             if not isinstance(receiver, VllmCollectiveReceiver):
                 raise RefitError(
                     "this worker's weight transfer engine is not refit-nccl's "
                     f"({type(receiver).__name__}); start vLLM with "
                     "weight_transfer_config={'backend': 'refit_nccl'}"
                 )
-            method, args = decode_call(request)
+            method, args = decode_call(requests[worker.rank])
             if method == _TRANSFER:
-                return encode_reply(self._refit_nccl_transfer(receiver, *args))
-            return encode_reply(getattr(receiver.endpoint, method)(*args))
+                result = self._refit_nccl_session({"version": args[0], "timeout_s": args[1]})
+            elif method == _COMMIT:
+                if receiver.loading.staged:
+                    self._refit_nccl_session({"version": args[0], "apply": True})
+                result = receiver.endpoint.refit_commit(*args)
+            else:
+                result = getattr(receiver.endpoint, method)(*args)
+            return encode_reply(result, partial=receiver.partial)
         except Exception as exc:
             logger.warning("refit-nccl call failed", exc_info=True)
-            return encode_reply(error=exc)
+            if isinstance(receiver, VllmCollectiveReceiver):
+                partial = receiver.partial
+            return encode_reply(error=exc, partial=partial)
 
-    def _refit_nccl_transfer(self, receiver: Any, version: int, timeout_s: float | None) -> Any:
-        """One transfer inside vLLM's own update session (layerwise reload around it)."""
+    def _refit_nccl_session(self, update_info: dict[str, Any]) -> Any:
+        """One call inside vLLM's own update session; the transfer's stats (or None)."""
         worker: Any = self
         worker.start_weight_update()
-        worker.update_weights({"version": version, "timeout_s": timeout_s})
+        worker.update_weights(update_info)
         worker.finish_weight_update()
-        return receiver.transferred()
+        receiver = worker.weight_transfer_engine
+        return None if update_info.get("apply") else receiver.transferred()

@@ -11,6 +11,8 @@ Whether zstd pays is decided per plane by measurement: a plane is stored compres
 when that saves at least ``1 - KEEP_RATIO`` of its bytes; large planes are first judged on a
 leading sample, so incompressible planes (random mantissas, most of a dense resync) cost
 little time. A buffer none of whose planes compresses is sent as it is, without copying.
+A compressed plane is exactly one zstd frame that declares its content size; a reader refuses
+anything else (another size, a second frame, trailing bytes). CODEC.md specifies the bytes.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _plane(data: memoryview, info: PlaneInfo, size: int) -> np.ndarray:
         declared = zstandard.frame_content_size(data)
         if declared != size:
             raise ProtocolError(f"zstd frame holds {declared} bytes, plane has {size}")
-        plain = _decompressor().decompress(data, max_output_size=size)
+        plain = _decompressor().decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"corrupt zstd plane: {exc}") from exc
     if len(plain) != size:

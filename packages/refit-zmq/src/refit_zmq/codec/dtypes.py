@@ -13,7 +13,6 @@ __all__ = [
     "WIRE_DTYPES",
     "dtype_code",
     "dtype_from_code",
-    "flat_bits",
     "int_dtype",
     "int_view",
     "unsigned_numpy_dtype",
@@ -92,11 +91,3 @@ def int_dtype(dtype: torch.dtype) -> torch.dtype:
 def int_view(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` reinterpreted as the torch integer dtype of the same width (no copy)."""
     return tensor.view(int_dtype(tensor.dtype))
-
-
-def flat_bits(tensor: torch.Tensor) -> np.ndarray:
-    """The bits of a contiguous CPU tensor as a flat unsigned numpy array sharing its memory."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("flat_bits needs a contiguous CPU tensor")
-    array: np.ndarray = int_view(tensor).reshape(-1).numpy()
-    return array.view(unsigned_numpy_dtype(tensor.element_size()))

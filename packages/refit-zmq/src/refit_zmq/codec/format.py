@@ -16,7 +16,8 @@ every byte of every frame except the 16 checksum bytes, and it is verified befor
 the header is believed. A buffer of ``n_planes`` > 1 holds the byte planes of its
 ``n_planes``-byte elements one after the other (all first bytes, then all second bytes, ...),
 each plane stored raw or as one zstd frame. Decoding only parses integers and UTF-8; it never
-executes code.
+executes code. Every item of a payload names the same base and target, and the spans of one
+tensor's items are disjoint. ``packages/refit-zmq/CODEC.md`` specifies all of it to the byte.
 """
 
 from __future__ import annotations
@@ -478,7 +479,20 @@ def read_layout(head: BytesLike) -> PayloadLayout:
         items.append((header, own))
     if cursor != n_buffers or not reader.done():
         raise ProtocolError("payload header has trailing or unclaimed data")
+    _check_items_agree([header for header, _ in items])
     return PayloadLayout(len(view), buffers, tuple(items))
+
+
+def _check_items_agree(items: Sequence[ItemHeader]) -> None:
+    """Refuse items with different versions, or two items covering one tensor element."""
+    if len({(item.base, item.target) for item in items}) > 1:
+        raise ProtocolError("payload items name different base or target versions")
+    covered: dict[str, int] = {}
+    for name, start, stop in sorted((i.name, i.span_start, i.span_stop) for i in items):
+        if start < stop:
+            if start < covered.get(name, 0):
+                raise ProtocolError(f"payload items overlap in tensor {name!r}")
+            covered[name] = stop
 
 
 def decode_payload(

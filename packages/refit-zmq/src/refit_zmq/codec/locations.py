@@ -73,7 +73,8 @@ def encode_locations(
         best = LocationPlan(Encoding.DENSE, 0, span_len)
     bitmap_cost = (span_len + 7) // 8 + k * itemsize
     gaps = None
-    if (k - 1) + k * itemsize < min(best_cost, bitmap_cost):
+    least_gaps_cost = (k - 1) + k * itemsize  # 1-byte gaps; GAPS wins a tie with BITMAP
+    if least_gaps_cost < best_cost and least_gaps_cost <= bitmap_cost:
         gaps = np.diff(indices)
         gap_width = _gap_width(int(gaps.max())) if k > 1 else 1
         gaps_cost = (k - 1) * gap_width + k * itemsize

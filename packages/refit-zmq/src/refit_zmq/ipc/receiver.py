@@ -55,7 +55,9 @@ _POLL_MS = 100
 
 
 class IpcEngine(Protocol):
-    """What :class:`IpcReceiver` needs from an engine worker."""
+    """What :class:`IpcReceiver` needs from an engine worker. An engine that keeps each refit
+    aside until its commit (vLLM's staged receiver) says so with a true ``stages_refits``
+    attribute: a refit that fails then leaves it unchanged, not ``partial``."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
         """Copy checkpoint-named tensors into the engine's weights."""
@@ -274,7 +276,7 @@ class IpcReceiver:
                 raise ProtocolError(f"no buffer {index}")
             memory = self._buffers[index]
         transaction.check_bucket(seq, items, memory.numel())
-        self._partial = True
+        self._partial = self._partial or not getattr(self._engine, "stages_refits", False)
         self._engine.load_weights(_views(memory, items))
         if memory.is_cuda:
             torch.cuda.synchronize(memory.device)  # loaded before the trainer refills it

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from refit_core import (
+    Deadline,
+    EngineReport,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -27,7 +29,7 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import Deadline, PolicyLike
+from refit_core.backend import PolicyLike, with_engines
 from refit_zmq.ipc.links import WorkerLinks
 from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
@@ -75,7 +77,9 @@ class RefitSessions(Protocol):
         ...
 
     def refit_finished(self, version: int, committed: bool) -> None:
-        """Close every session; after a commit the engines serve ``version``."""
+        """Close every session; after a commit the engines serve ``version``. After a failure
+        it may raise a :class:`~refit_core.errors.RefitError` whose ``engines`` say what each
+        engine serves now (added to the refit's own error)."""
         ...
 
 
@@ -144,12 +148,15 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         sessions.refit_started(version, deadline.remaining_s())
         try:
             result = self._transfer(version, deadline)
-        except BaseException:
-            try:
-                sessions.refit_finished(version, committed=False)
-            except Exception:
-                logger.warning("ipc: closing the workers' sessions failed", exc_info=True)
-            raise
+        except BaseException as exc:
+            reports = _close_sessions(sessions, version)
+            if not reports or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, RefitError):
+                with_engines(exc, reports)
+                raise
+            failed = RefitError(f"refit to version {version} failed: {type(exc).__name__}: {exc}")
+            raise with_engines(failed, reports) from exc
         sessions.refit_finished(version, committed=True)
         return result
 
@@ -255,3 +262,15 @@ class IpcWeightSynchronizer(WeightSynchronizer):
             self._links.close()
         if self._pool is not None:
             self._pool.close()
+
+
+def _close_sessions(sessions: RefitSessions, version: int) -> tuple[EngineReport, ...]:
+    """End the workers' sessions after a failed refit; what each engine serves now (as far
+    as the sessions say)."""
+    try:
+        sessions.refit_finished(version, committed=False)
+    except RefitError as closing:
+        return closing.engines
+    except Exception:
+        logger.warning("ipc: closing the workers' sessions failed", exc_info=True)
+    return ()

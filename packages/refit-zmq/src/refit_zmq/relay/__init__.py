@@ -4,53 +4,108 @@ Producers stream delta payloads with :func:`stream_sparse_delta_payloads_via_zmq
 :class:`ZmqSparseRefitClient`) into relays (:class:`ZmqSparseRefitServer`) that apply them to
 a local receiver (:class:`TensorReceiver`) and forward them down a k-ary tree; a
 :class:`RelayCoordinator` ends each transfer in commit or abort on every relay.
+
+The modules are laid out by the process they run in: ``wire`` (what every side shares:
+frames, reports, keys, errors, tuning, links), ``node`` (the relay process), ``apply``
+(receivers, in the relay's process), ``producer`` (a trainer rank) and ``coordinator`` (the
+controller); ``launch`` and ``cli`` start a relay process (``refit relay serve``, or
+``python -m refit_zmq.relay``). Every public name is importable from here.
 """
 
-from refit_zmq.relay.client import ZmqSparseRefitClient
-from refit_zmq.relay.coordinator import RelayCoordinator, TransferOutcome, new_transfer_id
-from refit_zmq.relay.curve import CurveConfig
-from refit_zmq.relay.errors import (
-    NackCode,
-    StaleTransferError,
-    TransferConflictError,
-    TreeMismatchError,
+from refit_zmq.relay.apply.receiver import (
+    PayloadSink,
+    Receiver,
+    StreamingReceiver,
+    TensorReceiver,
+    admit_target,
 )
-from refit_zmq.relay.frames import PROTOCOL
-from refit_zmq.relay.producer import (
+from refit_zmq.relay.coordinator.coordinator import (
+    DECISION_GRACE_S,
+    RelayCoordinator,
+    Statuses,
+    new_transfer_id,
+)
+from refit_zmq.relay.coordinator.outcome import TransferOutcome
+from refit_zmq.relay.coordinator.transfer import TransferResult, run_transfer
+from refit_zmq.relay.node.server import ZmqSparseRefitServer
+from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
+from refit_zmq.relay.producer.shard import (
     ShardProducer,
     ShardProducerRole,
     StreamOrder,
     TransferOptions,
 )
-from refit_zmq.relay.receiver import PayloadSink, Receiver, StreamingReceiver, TensorReceiver
-from refit_zmq.relay.server import ZmqSparseRefitServer
-from refit_zmq.relay.streaming import deliver_payloads, stream_sparse_delta_payloads_via_zmq
-from refit_zmq.relay.transfer import TransferResult, run_transfer
-from refit_zmq.relay.tree import RelayTree
-from refit_zmq.relay.tuning import RelayTuning
+from refit_zmq.relay.producer.streaming import (
+    deliver_payloads,
+    stream_sparse_delta_payloads_via_zmq,
+)
+from refit_zmq.relay.wire.curve import CurveConfig
+from refit_zmq.relay.wire.errors import (
+    NackCode,
+    StaleTransferError,
+    TransferConflictError,
+    TreeMismatchError,
+)
+from refit_zmq.relay.wire.frames import PROTOCOL
+from refit_zmq.relay.wire.reports import (
+    AbortReply,
+    ApplyResult,
+    ChildCounts,
+    CommitReply,
+    Failure,
+    FlushReport,
+    LedgerOpen,
+    OutcomeReply,
+    ReceiverOpen,
+    ReceiverStatus,
+    RelayStatus,
+    SubtreeReport,
+    TransferState,
+    TreeReply,
+)
+from refit_zmq.relay.wire.tree import RelayTree
+from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = [
+    "DECISION_GRACE_S",
     "PROTOCOL",
+    "AbortReply",
+    "Acknowledged",
+    "ApplyResult",
+    "ChildCounts",
+    "CommitReply",
     "CurveConfig",
+    "Failure",
+    "FlushReport",
+    "LedgerOpen",
     "NackCode",
+    "OutcomeReply",
     "PayloadSink",
     "Receiver",
+    "ReceiverOpen",
+    "ReceiverStatus",
     "RelayCoordinator",
+    "RelayStatus",
     "RelayTree",
     "RelayTuning",
     "ShardProducer",
     "ShardProducerRole",
     "StaleTransferError",
+    "Statuses",
     "StreamOrder",
     "StreamingReceiver",
+    "SubtreeReport",
     "TensorReceiver",
     "TransferConflictError",
     "TransferOptions",
     "TransferOutcome",
     "TransferResult",
+    "TransferState",
     "TreeMismatchError",
+    "TreeReply",
     "ZmqSparseRefitClient",
     "ZmqSparseRefitServer",
+    "admit_target",
     "deliver_payloads",
     "new_transfer_id",
     "run_transfer",

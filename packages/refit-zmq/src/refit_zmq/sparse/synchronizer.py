@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from refit_core import (
+    EngineReport,
+    EngineState,
     RefitError,
     RefitResult,
     RefitTimeoutError,
@@ -30,13 +32,15 @@ from refit_core.backend import Deadline, Participant, gather
 from refit_zmq.relay import (
     CurveConfig,
     RelayCoordinator,
+    RelayStatus,
     RelayTuning,
     ShardProducerRole,
     TransferOptions,
     TransferResult,
     run_transfer,
 )
-from refit_zmq.relay.auth import api_key_from_env
+from refit_zmq.relay.coordinator.outcome import relay_error
+from refit_zmq.relay.wire.auth import api_key_from_env
 from refit_zmq.tracker import TrackerConfig
 
 __all__ = ["API_KEY_ENV", "ZmqSparseOptions", "ZmqSparseWeightSynchronizer"]
@@ -60,7 +64,12 @@ class ZmqSparseOptions:
         shard_count: producer shards of a single-process trainer (each encodes its share,
             rooted at its own relay); trainer ranks on Ray are one shard each.
         bucket_size_bytes: dense bytes per payload at most.
-        call_timeout_s: longest wait for one reply (also bounded by the refit's deadline).
+        call_timeout_s: longest wait for one reply of a relay or a producer. Within a refit
+            each control request to the relays (the STATUS probe that starts every refit,
+            OUTCOME, COMMIT, ABORT, CONFIGURE) waits at most
+            ``min(call_timeout_s, refit_timeout_s / (2 * (tuning.retries + 1)))`` per
+            attempt, so that all attempts of the probe take at most half the deadline; a
+            relay that does not answer the probe is reported unreachable (``unknown``).
         verification_candidates: entries each receiver re-reads per payload (0: none).
         verify_digests: also compare every receiver's digests with the trainer's before
             committing (one more pass over the weights on each side).
@@ -117,6 +126,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         self._on_commit = on_commit
         self._options = options or ZmqSparseOptions()
         self._coordinator: RelayCoordinator | None = None
+        self._shards: dict[str, int] = {}
         self._stale = False
 
     @property
@@ -134,7 +144,9 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             tuning=options.tuning,
             curve=options.curve,
         )
-        self._coordinator.configure_tree(list(self._relays()))
+        addresses = list(self._relays())
+        self._shards = {address: shard for shard, address in enumerate(addresses)}
+        self._coordinator.configure_tree(addresses)
         item_bytes = max(1, min(options.bucket_size_bytes, options.tuning.max_inflight_bytes) // 2)
         count = len(self._producers)
         self._on_producers(
@@ -158,28 +170,41 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         deadline: Deadline,
         *,
         count: int | None = None,
+        engines: Sequence[EngineReport] = (),
     ) -> list[_T]:
         """Call ``method`` (``start(producer, rank)``) on the first ``count`` producers
         (default: all) within the deadline; their answers, in rank order.
 
         Raises:
-            RefitTimeoutError: a producer did not answer (named as wedged).
-            WorkerError: a producer failed (a dead trainer rank).
+            RefitTimeoutError: a producer did not answer (named as wedged), with ``engines``.
+            WorkerError: a producer failed (a dead trainer rank), with ``engines``.
         """
         producers = self._producers[:count]
         calls = {p: start(p, rank) for rank, p in enumerate(producers)}
         gathered = gather(calls, deadline.timeout_for(self._options.call_timeout_s))
         if gathered.missing:
             labels = [p.label for p in gathered.missing]
-            raise RefitTimeoutError(f"{method}: no answer from {labels}", wedged_workers=labels)
+            raise RefitTimeoutError(
+                f"producers {labels} did not answer {method}",
+                wedged_workers=labels,
+                engines=engines,
+            )
         for participant, error in gathered.errors.items():
             if isinstance(error, RefitError):
+                error.engines = error.engines or tuple(engines)
                 raise error
-            raise WorkerError(str(error), worker=participant.label, operation=method) from error
+            lines = str(error).strip().splitlines()
+            raise WorkerError(
+                f"{type(error).__name__}: {lines[0][:300] if lines else ''}",
+                worker=participant.label,
+                operation=method,
+                engines=engines,
+            ) from error
         return [gathered.results[p] for p in producers]
 
     def _call_timeout(self, deadline: Deadline) -> float:
-        """One reply's timeout: the configured one, within what the deadline leaves."""
+        """One reply's timeout (the STATUS probe's among them): ``call_timeout_s``, within
+        what the deadline leaves for every attempt of a request to take at most half of it."""
         retries = self._options.tuning.retries + 1
         left = deadline.remaining_s()
         call = self._options.call_timeout_s
@@ -190,27 +215,34 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         assert coordinator is not None
         started = time.monotonic()
         coordinator.timeout_s = self._call_timeout(deadline)
-        statuses = coordinator.reconcile()
-        unreachable = sorted(a for a, s in statuses.items() if isinstance(s, RefitError))
+        statuses = coordinator.close_open_transfers(deadline=deadline)
+        unreachable = {a: s for a, s in statuses.items() if isinstance(s, RefitError)}
+        versions = {a: s.version for a, s in statuses.items() if isinstance(s, RelayStatus)}
         if unreachable:
             self._stale = True
-            raise RefitTimeoutError(
-                f"relays {unreachable} do not answer; reconcile_communicator without them"
+            raise relay_error(
+                "the status probe before the refit", unreachable, self._tree_shards(), versions
             )
+        untouched = tuple(
+            EngineReport(self._tree_shards()[a], a, EngineState.OLD, v) for a, v in versions.items()
+        )
         baselines = set(
             self._on_producers(
                 "refit_version",
                 lambda producer, _: producer.call(ShardProducerRole.refit_version),
                 deadline,
+                engines=untouched,
             )
         )
         committed = baselines.pop() if len(baselines) == 1 else None
-        behind = sorted(
-            a for a, s in statuses.items() if isinstance(s, dict) and s["version"] != committed
-        )
+        behind = sorted(a for a, v in versions.items() if v != committed)
         if behind and committed is not None:
             logger.warning("relays %s are not at version %s: dense resync", behind, committed)
-        deadline.check("streaming the refit")
+        if deadline.expired():
+            raise RefitTimeoutError(
+                f"refit to version {version}: the deadline passed before streaming began",
+                engines=untouched,
+            )
         options = self._options
         expected = (
             self._on_producers(
@@ -218,6 +250,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                 lambda producer, _: producer.call(ShardProducerRole.refit_digests),
                 deadline,
                 count=1,
+                engines=untouched,
             )[0]
             if options.verify_digests
             else None
@@ -236,14 +269,21 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                     options.verification_candidates,
                 ),
                 expected_digests=expected,
-                wait_s=deadline.remaining_s(),
+                deadline=deadline,
+                shards=self._tree_shards(),
             )
-        except RefitTimeoutError:
-            self._stale = True  # a relay or producer stopped answering
+        except RefitError as error:
+            # a relay or producer stopped answering: rebuild before the next refit
+            self._stale |= isinstance(error, RefitTimeoutError) or bool(error.wedged_workers)
             raise
         if self._on_commit is not None:
             self._on_commit(version)
         return self._result(version, result, time.monotonic() - started, resync=bool(behind))
+
+    def _tree_shards(self) -> dict[str, int]:
+        """Relay address -> shard index, for the relays of the tree."""
+        assert self._coordinator is not None
+        return {a: self._shards.get(a, i) for i, a in enumerate(self._coordinator.relays)}
 
     def _result(
         self, version: int, result: TransferResult, total_s: float, *, resync: bool
@@ -251,13 +291,15 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         outcome = result.outcome
         timings = {"stream": result.stream_s, "finish": result.finish_s}
         for address, report in outcome.reports.items():
-            timings[f"apply:{address}"] = float(report["apply_s"])
+            timings[f"apply:{address}"] = report.apply_s
         workers = tuple(
             WorkerOutcome(
                 address,
                 address not in outcome.decision_errors,
                 version,
-                outcome.decision_errors.get(address),
+                None
+                if address not in outcome.decision_errors
+                else str(outcome.decision_errors[address]),
             )
             for address in outcome.reports
         )
@@ -288,7 +330,10 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         if any(shard >= len(relays) for shard in absent_shards):
             raise ValueError(f"absent shards {sorted(absent_shards)} of {len(relays)} relays")
         coordinator.timeout_s = self._call_timeout(deadline)
-        coordinator.configure_tree([a for i, a in enumerate(relays) if i not in absent_shards])
+        self._shards = {address: shard for shard, address in enumerate(relays)}
+        coordinator.configure_tree(
+            [a for i, a in enumerate(relays) if i not in absent_shards], shards=self._shards
+        )
         self._stale = False
 
     def _shutdown(self) -> None:

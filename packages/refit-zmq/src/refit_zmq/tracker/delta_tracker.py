@@ -7,19 +7,20 @@ import os
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Literal, Self
 
 import numpy as np
 import torch
 
 from refit_core import GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec, WeightVersion
-from refit_zmq.codec.dtypes import flat_bits
+from refit_zmq.codec.dtypes import int_view
 from refit_zmq.codec.format import DeltaPayload
-from refit_zmq.tracker.encoder import BucketEncoder, PendingWrite
+from refit_zmq.codec.spans import read_span
+from refit_zmq.tracker.encoder import BucketEncoder, DeviceBits, HostBits, PendingWrite
 from refit_zmq.tracker.plan import ItemSpan, shard_items
-from refit_zmq.tracker.store import BaselineStore
+from refit_zmq.tracker.store import BaselineStore, DeviceBaselines
 
-__all__ = ["DeltaCompressionTracker", "TrackerConfig"]
+__all__ = ["DeltaCompressionTracker", "TrackerConfig", "TrackerTraffic"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,19 @@ class TrackerConfig:
         bucket_size_bytes: dense input bytes per payload at most (one item may be larger
             only if ``max_item_bytes`` is).
         max_item_bytes: tensors larger than this are cut into items of at most this size.
-        chunk_bytes: bytes of baseline (and of new bits) compared per task; cache-sized.
+        chunk_bytes: host compares split an item into ranges of whole multiples of this.
         threads: worker threads for comparing and coding.
         compress: allow zstd level 1 on buffers (kept only where it pays).
-        baseline_dir: None keeps the baseline in memory; else in an mmap'd file there.
+        baseline_dir: None keeps the host baseline in memory; else in an mmap'd file there.
+        compare_on: where an item's bits are compared with its baseline. ``"auto"``: CPU
+            tensors on the host (the compiled kernel), tensors on any other device on that
+            device (torch ops; only changed indices and values reach the host). ``"host"``:
+            every tensor on the host (a GPU tensor's owned spans are copied over first).
+            ``"device"``: every tensor with torch ops on its own device, CPU tensors too.
+        device_baseline: where items compared on a device keep their baseline:
+            ``"device"`` (on that device: the owned bytes of device memory) or ``"pinned"``
+            (page-locked host memory; each compare first copies the item's baseline to the
+            device).
     """
 
     shard_rank: int = 0
@@ -53,12 +63,36 @@ class TrackerConfig:
     threads: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
     compress: bool = True
     baseline_dir: str | os.PathLike[str] | None = None
+    compare_on: Literal["auto", "host", "device"] = "auto"
+    device_baseline: Literal["device", "pinned"] = "device"
 
     def __post_init__(self) -> None:
         if self.max_item_bytes > self.bucket_size_bytes:
             raise ValueError("max_item_bytes must not exceed bucket_size_bytes")
         if min(self.bucket_size_bytes, self.max_item_bytes, self.chunk_bytes, self.threads) < 1:
             raise ValueError(f"sizes and threads must be positive: {self}")
+        if self.compare_on not in ("auto", "host", "device"):
+            raise ValueError(f"compare_on must be auto, host or device, got {self.compare_on!r}")
+        if self.device_baseline not in ("device", "pinned"):
+            raise ValueError(
+                f"device_baseline must be device or pinned, got {self.device_baseline!r}"
+            )
+
+
+@dataclass(frozen=True)
+class TrackerTraffic:
+    """What the last ``encode`` (or ``load_baseline``) read and moved.
+
+    Attributes:
+        read_bytes: bytes of the given tensors read: exactly the bytes of the items this
+            producer owns (never a whole tensor it only owns part of).
+        to_host_bytes: bytes copied from a device to the host: for items compared on a
+            device, the changed indices and values (and RANGE or dense spans); for device
+            tensors compared on the host, their owned spans.
+    """
+
+    read_bytes: int = 0
+    to_host_bytes: int = 0
 
 
 @dataclass
@@ -95,6 +129,11 @@ class DeltaCompressionTracker:
     refit copies the new bits straight into the (empty) baseline, and its payload buffers
     share that memory: they stay valid until the next ``commit()``.
 
+    Only the bytes of owned items are read (:attr:`traffic` counts them): a tensor this
+    producer owns part of is never copied whole. Tensors on a GPU are compared there (see
+    ``TrackerConfig.compare_on``) against a baseline on the GPU or in pinned host memory, and
+    only changed indices and values cross to the host.
+
     Args:
         spec: every tensor of the state dict (the same on every producer).
         config: sharding, bucketing, storage and coding settings.
@@ -115,6 +154,8 @@ class DeltaCompressionTracker:
         for item in self.items:
             self._by_name.setdefault(item.name, []).append(item)
         self._store = BaselineStore(self.items, self.config.baseline_dir)
+        self._device_store = DeviceBaselines(pinned=self.config.device_baseline == "pinned")
+        self._traffic = {"read_bytes": 0, "to_host_bytes": 0}
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="refit-delta")
         self._version: WeightVersion | None = None
         self._pending: _Pending | None = None
@@ -131,8 +172,9 @@ class DeltaCompressionTracker:
 
     @property
     def baseline_bytes(self) -> int:
-        """Bytes of baseline this producer holds."""
-        return self._store.nbytes
+        """Bytes of baseline this producer holds (host slots are reserved for every owned
+        item; device slots are counted once made)."""
+        return self._store.nbytes + self._device_store.nbytes
 
     def _check(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._spec.get(name)
@@ -143,26 +185,52 @@ class DeltaCompressionTracker:
                 f"tensor {name!r} is {TensorSpec.of(tensor)}, expected {spec}"
             )
 
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        mode = self.config.compare_on
+        return mode == "device" or (mode == "auto" and tensor.device.type != "cpu")
+
+    def _read(self, item: ItemSpan, bits: torch.Tensor) -> HostBits | DeviceBits:
+        """Exactly the item's bytes of ``bits`` (the tensor's integer view), where they belong."""
+        if self._on_device(bits):
+            return DeviceBits(read_span(bits, item.start, item.stop))
+        if bits.device.type == "cpu":
+            span = read_span(bits, item.start, item.stop)
+            return HostBits(span.numpy().view(np.uint8))
+        host = torch.empty(item.numel, dtype=bits.dtype, pin_memory=bits.device.type == "cuda")
+        read_span(bits, item.start, item.stop, out=host)
+        self._traffic["to_host_bytes"] += item.nbytes
+        return HostBits(host.numpy().view(np.uint8))
+
+    def _slot(self, item: ItemSpan, new: HostBits | DeviceBits) -> np.ndarray | torch.Tensor:
+        if isinstance(new, DeviceBits):
+            return self._device_store.slot(item, new.data)
+        return self._store.slot(item)
+
     def _owned(
         self, tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]
-    ) -> Iterator[tuple[ItemSpan, np.ndarray]]:
-        """(item, its new bytes) for every owned item; checks names, specs and completeness."""
+    ) -> Iterator[tuple[ItemSpan, np.ndarray | torch.Tensor, HostBits | DeviceBits]]:
+        """(item, its baseline slot, its new bits) for every owned item, reading only owned
+        bytes; checks names, specs and completeness."""
         seen: set[str] = set()
+        self._traffic = {"read_bytes": 0, "to_host_bytes": 0}
         for name, tensor in _named(tensors):
             if name in seen:
                 raise GeometryMismatchError(f"tensor {name!r} given twice")
             seen.add(name)
             self._check(name, tensor)
-            owned = self._by_name.get(name, ())
-            if not owned:
-                continue
-            bits = flat_bits(tensor.detach().cpu().contiguous()).view(np.uint8)
-            for item in owned:
-                size = item.dtype.itemsize
-                yield item, bits[item.start * size : item.stop * size]
+            bits = int_view(tensor.detach())
+            for item in self._by_name.get(name, ()):
+                new = self._read(item, bits)
+                self._traffic["read_bytes"] += item.nbytes
+                yield item, self._slot(item, new), new
         missing = self._by_name.keys() - seen
         if missing:
             raise GeometryMismatchError(f"tensors missing from the refit: {sorted(missing)}")
+
+    @property
+    def traffic(self) -> TrackerTraffic:
+        """Bytes read from the tensors and moved to the host by the last encode or load."""
+        return TrackerTraffic(**self._traffic)
 
     def _require_idle(self) -> None:
         if self._pending is not None:
@@ -178,10 +246,11 @@ class DeltaCompressionTracker:
         encoder = self._encoder(version, dense=True, has_baseline=False, code=False)
         self._version = None
         try:
-            for item, new in self._owned(tensors):
-                encoder.add(item, self._store.slot(item), new)
+            for item, slot, new in self._owned(tensors):
+                encoder.add(item, slot, new)
         finally:
             encoder.settle()
+            self._traffic["to_host_bytes"] += encoder.to_host_bytes
         self._version = version
         logger.info("baseline loaded at version %d (%d bytes)", version.value, self._store.nbytes)
 
@@ -233,13 +302,13 @@ class DeltaCompressionTracker:
         limit = self.config.bucket_size_bytes
         encoder: BucketEncoder | None = None
         try:
-            for item, new in self._owned(tensors):
+            for item, slot, new in self._owned(tensors):
                 if encoder is not None and encoder.nbytes + item.nbytes > limit:
                     done, encoder = encoder, None
                     yield self._finish(done, pending)
                 if encoder is None:
                     encoder = self._encoder(pending.target, dense=dense, has_baseline=has_baseline)
-                encoder.add(item, self._store.slot(item), new)
+                encoder.add(item, slot, new)
             if encoder is not None:
                 done, encoder = encoder, None
                 yield self._finish(done, pending)
@@ -255,6 +324,7 @@ class DeltaCompressionTracker:
             bucket = encoder.finish()
         finally:
             encoder.settle()
+            self._traffic["to_host_bytes"] += encoder.to_host_bytes
         pending.writes.extend(bucket.writes)
         payload = bucket.payload
         logger.debug(
@@ -298,6 +368,7 @@ class DeltaCompressionTracker:
         self.abort()
         self._pool.shutdown(wait=True)
         self._store.close()
+        self._device_store.close()
 
     def __enter__(self) -> Self:
         return self

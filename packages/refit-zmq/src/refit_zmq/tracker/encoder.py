@@ -1,12 +1,15 @@
 """Encode one bucket of items into one payload, on a thread pool.
 
-Each item's bits are cut into at most one range per worker thread; every range is compared
-with the item's baseline slot (or, for a dense resync, copied) as soon as the item is added,
-so the work overlaps with the producer of the next tensor. When an item's last range is
-done, a coding job picks its location encoding and codes its buffers (shuffle and zstd where
-they pay), overlapping the comparison of later items without a worker waiting on another;
-:meth:`BucketEncoder.finish` assembles the checksummed payload together with the writes that
-bring the baseline to the new version on commit.
+An item's new bits arrive either in host memory (:class:`HostBits`: compared by the numba
+kernel, cut into at most one range per worker thread) or on a device (:class:`DeviceBits`:
+compared there with torch ops by one job, so only changed indices and values reach the
+host). Every range is compared with the item's baseline slot (or, for a dense resync,
+copied) as soon as the item is added, so the work overlaps with the producer of the next
+tensor. When an item's last range is done, a coding job picks its location encoding and
+codes its buffers (shuffle and zstd where they pay), overlapping the comparison of later
+items without a worker waiting on another; :meth:`BucketEncoder.finish` assembles the
+checksummed payload together with the writes that bring the baseline to the new version on
+commit.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import torch
 
 from refit_core import WeightVersion
 from refit_zmq.codec.buffers import pack_buffer
+from refit_zmq.codec.device_diff import fetch_diff
 from refit_zmq.codec.diff import diff_range
-from refit_zmq.codec.dtypes import unsigned_numpy_dtype
+from refit_zmq.codec.dtypes import int_dtype, unsigned_numpy_dtype
 from refit_zmq.codec.format import (
     BufferInfo,
     BytesLike,
@@ -31,36 +35,57 @@ from refit_zmq.codec.format import (
     ItemHeader,
     build_payload,
 )
-from refit_zmq.codec.locations import (
-    LocationPlan,
-    decode_locations,
-    encode_locations,
-)
+from refit_zmq.codec.locations import LocationPlan, decode_locations, encode_locations
+from refit_zmq.codec.scatter import scatter, write_range
 from refit_zmq.tracker.plan import ItemSpan
 
-__all__ = ["BucketEncoder", "EncodedBucket", "PendingWrite"]
+__all__ = ["BucketEncoder", "DeviceBits", "EncodedBucket", "HostBits", "PendingWrite"]
 
 _WORD = 8
 _NO_INDICES = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
-class PendingWrite:
-    """What a payload carried for one item, kept to bring the baseline slot up on commit."""
+class HostBits:
+    """An item's new bits in host memory, as bytes (a view of the tensor where possible)."""
 
-    slot: np.ndarray
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class DeviceBits:
+    """An item's new bits as a flat integer tensor on its device (a view where possible)."""
+
+    data: torch.Tensor
+
+
+def _torch_bits(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` (an integer width) sharing ``array``'s bits."""
+    return torch.from_numpy(np.require(array, requirements="W").view(np.uint8)).view(dtype)
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """What a payload carried for one item, kept to bring the baseline slot up on commit.
+
+    ``slot`` is the item's baseline as a flat integer tensor (a host slot viewed as one,
+    or a device slot); ``locations`` and ``values`` are host arrays.
+    """
+
+    slot: torch.Tensor
     header: ItemHeader
     locations: np.ndarray | None
     values: np.ndarray
 
     def write(self) -> None:
-        """Write the carried bits into the slot (element view of the item's span)."""
+        """Write the carried bits into the slot."""
         raw = None if self.locations is None else self.locations.view(np.uint8)
         indices = decode_locations(self.header, raw)
+        values = _torch_bits(self.values, self.slot.dtype).to(self.slot.device)
         if indices is None:
-            self.slot[self.header.first : self.header.first + self.header.count] = self.values
+            write_range(self.slot, self.header.first, values)
         else:
-            self.slot[indices] = self.values
+            scatter(self.slot, torch.from_numpy(indices).to(self.slot.device), values)
 
 
 @dataclass(frozen=True)
@@ -72,16 +97,16 @@ class EncodedBucket:
 
 
 Parts = list[tuple[np.ndarray, np.ndarray]] | None
-"""What a range job returns: per-chunk (indices, values), or None for a copy."""
+"""What a range job returns: (indices, values) per range, or None for a host copy."""
 
 
 @dataclass(frozen=True)
 class _Unit:
-    """One item being encoded and the range jobs running on it."""
+    """One item being encoded and the jobs running on it."""
 
     item: ItemSpan
-    slot: np.ndarray
-    new: np.ndarray
+    slot: np.ndarray | torch.Tensor
+    new: HostBits | DeviceBits
     dest: np.ndarray | None
     jobs: list[Future[Parts]]
 
@@ -92,6 +117,7 @@ class _Coded:
     buffers: list[tuple[BufferInfo, BytesLike]]
     changed: int
     write: PendingWrite | None
+    to_host_bytes: int
 
 
 def _words(array: np.ndarray, width: int) -> np.ndarray:
@@ -113,9 +139,39 @@ def _relay(target: Future[_Coded], source: Future[_Coded]) -> None:
         target.set_exception(exc)
 
 
+def _joined(arrays: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    """The arrays end to end (the one array itself when there is one)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate(arrays) if arrays else empty
+
+
 def _copy(dest: np.ndarray, new: np.ndarray) -> Parts:
     np.copyto(dest, new)
     return None
+
+
+def _diff(
+    base: np.ndarray, new: np.ndarray, element: np.dtype[np.unsignedinteger], start: int
+) -> Parts:
+    return [diff_range(base, new, element=element, start=start)]
+
+
+def _device_diff(slot: torch.Tensor, new: torch.Tensor) -> tuple[Parts, int]:
+    """Compare on ``new``'s device (a pinned host slot is copied there first)."""
+    base = slot if slot.device == new.device else slot.to(new.device, non_blocking=True)
+    found = fetch_diff(base, new)
+    values = found.values.view(unsigned_numpy_dtype(new.element_size()))
+    return [(found.indices, values)], found.to_host_bytes
+
+
+def _device_copy(slot: torch.Tensor, new: torch.Tensor, *, keep: bool) -> np.ndarray:
+    """The new bits on the host (and, with ``keep``, in the slot too)."""
+    host = torch.empty(new.numel(), dtype=new.dtype, pin_memory=new.device.type == "cuda")
+    host.copy_(new)
+    if keep:
+        slot.copy_(new)
+    return host.numpy().view(unsigned_numpy_dtype(new.element_size()))
 
 
 class BucketEncoder:
@@ -123,8 +179,8 @@ class BucketEncoder:
 
     Args:
         pool: runs comparisons and buffer coding.
-        threads: ranges per item (the pool's worker count).
-        chunk_bytes: bytes of one side of one compare step (cache-sized).
+        threads: host ranges per item (the pool's worker count).
+        chunk_bytes: host ranges are whole multiples of this many bytes.
         base: the committed version the payload is a delta against (ignored when ``dense``).
         target: the version the payload brings receivers to.
         dense: send every item DENSE with no base (a resync, valid against any receiver).
@@ -163,6 +219,9 @@ class BucketEncoder:
         self._coded: list[Future[_Coded]] = []
         self._lock = threading.Lock()
         self.nbytes = 0
+        self.to_host_bytes = 0
+        """Bytes device items handed to the host so far: changed indices and values, RANGE
+        and dense spans (counted for CPU tensors on the device path too)."""
 
     def __bool__(self) -> bool:
         return bool(self._units)
@@ -173,14 +232,36 @@ class BucketEncoder:
         per_range = max(1, -(-chunks // self._threads)) * chunk
         return [(a, min(size, a + per_range)) for a in range(0, size, per_range)]
 
-    def add(self, item: ItemSpan, slot: np.ndarray, new: np.ndarray) -> None:
-        """Start comparing (or copying) ``new``, the item's new bytes, against ``slot``."""
+    def add(
+        self, item: ItemSpan, slot: np.ndarray | torch.Tensor, new: HostBits | DeviceBits
+    ) -> None:
+        """Start comparing (or copying) ``new``, the item's new bits, against ``slot``.
+
+        A host item's slot is its uint8 host slot; a device item's slot is its flat integer
+        slot from :class:`~refit_zmq.tracker.store.DeviceBaselines`.
+        """
+        if isinstance(new, DeviceBits):
+            if not isinstance(slot, torch.Tensor):
+                raise TypeError("a device item needs a device baseline slot")
+            jobs, dest = self._add_device(item, slot, new.data)
+        else:
+            if not isinstance(slot, np.ndarray):
+                raise TypeError("a host item needs a host baseline slot")
+            jobs, dest = self._add_host(item, slot, new.data)
+        unit = _Unit(item, slot, new, dest, jobs)
+        self._units.append(unit)
+        if self._code_items:
+            self._coded.append(self._code_when_compared(unit))
+        self.nbytes += item.nbytes
+
+    def _add_host(
+        self, item: ItemSpan, slot: np.ndarray, new: np.ndarray
+    ) -> tuple[list[Future[Parts]], np.ndarray | None]:
         itemsize = item.dtype.itemsize
         width = _word_width(slot, new, itemsize)
         chunk = max(1, self._chunk_bytes // width)
         new_words = _words(new, width)
-        jobs: list[Future[Parts]]
-        dest = None
+        ranges = self._ranges(new_words.size, chunk)
         if self._dense:
             dest = (
                 slot
@@ -188,46 +269,53 @@ class BucketEncoder:
                 else torch.empty(slot.size, dtype=torch.uint8).numpy()
             )
             dest_words = _words(dest, width)
-            jobs = [
-                self._pool.submit(_copy, dest_words[a:b], new_words[a:b])
-                for a, b in self._ranges(new_words.size, chunk)
-            ]
-        else:
-            base_words = _words(slot, width)
-            element = unsigned_numpy_dtype(itemsize)
-            jobs = [
-                self._pool.submit(
-                    diff_range,
-                    base_words[a:b],
-                    new_words[a:b],
-                    element=element,
-                    start=a,
-                    chunk_words=chunk,
-                )
-                for a, b in self._ranges(new_words.size, chunk)
-            ]
-        unit = _Unit(item, slot, new, dest, jobs)
-        self._units.append(unit)
-        if self._code_items:
-            self._coded.append(self._code_when_compared(unit))
-        self.nbytes += item.nbytes
+            copies = [self._pool.submit(_copy, dest_words[a:b], new_words[a:b]) for a, b in ranges]
+            return copies, dest
+        base_words = _words(slot, width)
+        element = unsigned_numpy_dtype(itemsize)
+        diffs = [
+            self._pool.submit(_diff, base_words[a:b], new_words[a:b], element, a) for a, b in ranges
+        ]
+        return diffs, None
+
+    def _add_device(
+        self, item: ItemSpan, slot: torch.Tensor, new: torch.Tensor
+    ) -> tuple[list[Future[Parts]], np.ndarray | None]:
+        if self._dense:
+            dest = _device_copy(slot, new, keep=not self._has_baseline)
+            self._count_to_host(item.nbytes)
+            return [], dest
+
+        def compare() -> Parts:
+            parts, moved = _device_diff(slot, new)
+            self._count_to_host(moved)
+            return parts
+
+        return [self._pool.submit(compare)], None
+
+    def _count_to_host(self, nbytes: int) -> None:
+        with self._lock:
+            self.to_host_bytes += nbytes
 
     def _plan(
         self, unit: _Unit, parts: list[tuple[np.ndarray, np.ndarray]]
-    ) -> tuple[LocationPlan, list[np.ndarray]]:
-        """The item's location plan and its buffers (locations first)."""
+    ) -> tuple[LocationPlan, list[np.ndarray], int]:
+        """The item's location plan, its buffers (locations first) and bytes fetched for them."""
         item = unit.item
         elements = unsigned_numpy_dtype(item.dtype.itemsize)
         if unit.dest is not None:
-            return LocationPlan(Encoding.DENSE, 0, item.numel), [unit.dest.view(elements)]
-        indices = np.concatenate([p[0] for p in parts]) if parts else _NO_INDICES
+            return LocationPlan(Encoding.DENSE, 0, item.numel), [unit.dest.view(elements)], 0
+        indices = _joined([p[0] for p in parts], _NO_INDICES)
         plan, locations = encode_locations(indices, item.numel, item.dtype.itemsize)
         if locations is not None:
-            return plan, [locations, np.concatenate([p[1] for p in parts])]
+            return plan, [locations, _joined([p[1] for p in parts], _NO_INDICES)], 0
         if plan.encoding is Encoding.NONE:
-            return plan, []
-        carried = unit.new.view(elements)[plan.first : plan.first + plan.count]
-        return plan, [carried.copy()]
+            return plan, [], 0
+        span = slice(plan.first, plan.first + plan.count)
+        if isinstance(unit.new, DeviceBits):
+            carried = unit.new.data[span].cpu().numpy().view(elements)
+            return plan, [carried.copy()], carried.nbytes
+        return plan, [unit.new.data.view(elements)[span].copy()], 0
 
     def _code_when_compared(self, unit: _Unit) -> Future[_Coded]:
         """The unit's coding, submitted by whichever of its range jobs completes last."""
@@ -253,8 +341,8 @@ class BucketEncoder:
 
     def _code(self, unit: _Unit) -> _Coded:
         item = unit.item
-        parts = [chunk for job in unit.jobs for chunk in job.result() or ()]
-        plan, arrays = self._plan(unit, parts)
+        parts = [part for job in unit.jobs for part in job.result() or ()]
+        plan, arrays, moved = self._plan(unit, parts)
         header = ItemHeader(
             name=item.name,
             dtype=item.dtype,
@@ -272,9 +360,11 @@ class BucketEncoder:
         changed = item.numel if self._dense else sum(p[0].size for p in parts)
         write = None
         if arrays and self._has_baseline:
-            slot = unit.slot.view(unsigned_numpy_dtype(item.dtype.itemsize))
+            slot = unit.slot
+            if isinstance(slot, np.ndarray):
+                slot = _torch_bits(slot, int_dtype(item.dtype))
             write = PendingWrite(slot, header, arrays[0] if len(arrays) == 2 else None, arrays[-1])
-        return _Coded(header, buffers, changed, write)
+        return _Coded(header, buffers, changed, write, moved)
 
     def settle(self) -> None:
         """Wait for every job (before abandoning the bucket)."""
@@ -292,4 +382,5 @@ class BucketEncoder:
             [buffer for c in coded for buffer in c.buffers],
             changed_elements=sum(c.changed for c in coded),
         )
+        self._count_to_host(sum(c.to_host_bytes for c in coded))
         return EncodedBucket(payload, [c.write for c in coded if c.write is not None])

@@ -1,16 +1,20 @@
 """refit-zmq inside vLLM: the sparse relay receiver and the colocated IPC receiver, each a vLLM
 weight-transfer engine.
 
-Start each engine with :func:`engine_args` for the transport, then hand the engines to the
-synchronizer through the matching generation::
+Start each engine with :func:`engine_args` for the transport (any tensor-parallel size), then
+hand the engines to the synchronizer through the matching generation::
 
-    llm = LLM(model=path, **engine_args("zmq_sparse"))
+    llm = LLM(model=path, tensor_parallel_size=2, **engine_args("zmq_sparse"))
     generation = VllmRelayGeneration([llm])  # starts a relay in each worker
     sync = create_weight_synchronizer(trainer, generation, "vllm", False, train_cluster,
                                       inference_cluster, transport="zmq_sparse")
 
     llm = LLM(model=path, **engine_args("ipc"))
     sync = create_weight_synchronizer(trainer, VllmIpcGeneration([llm]), "vllm", True)
+
+A failed sparse refit leaves every engine on its previous version bit for bit; a failed IPC
+refit leaves it on its previous version (staged, the default) or closed until a complete refit
+(``staged=False``); the error's ``engines`` say which.
 
 Importing this package does not import vLLM; the engine modules (built by vLLM in each
 worker) do.
@@ -38,7 +42,8 @@ BACKENDS = {
 """Transport -> (weight-transfer backend name, module, class) refit-zmq registers with vLLM."""
 
 WORKER_EXTENSION = "refit_zmq.vllm.worker.ZmqWorkerExtension"
-"""The worker extension that reports a receiver's address (``worker_extension_cls``)."""
+"""The worker extension that reports a receiver's address, whether its model is partial, and
+the sparse receiver's checkpoint digests (``worker_extension_cls``)."""
 
 
 def engine_args(transport: Literal["zmq_sparse", "ipc"] = "zmq_sparse") -> dict[str, Any]:

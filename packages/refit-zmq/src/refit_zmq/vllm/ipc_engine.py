@@ -3,12 +3,17 @@
 Registered with ``WeightTransferEngineFactory`` as ``refit_zmq_ipc`` by refit-zmq's
 ``vllm.general_plugins`` entry point (:data:`~refit_zmq.vllm.BACKENDS`).
 ``init_weight_transfer_engine`` binds an :class:`~refit_zmq.ipc.IpcReceiver` over the worker's
-model; each refit is one vLLM update session: ``start_weight_update`` opens vLLM's layerwise
-reload, ``update_weights({"timeout_s"})`` serves the trainer's control socket until the refit
-commits or aborts (loading each bucket from the shared buffers into the model), and
-``finish_weight_update`` processes the layers into vLLM's kernel layout. As with every IPC
-receiver nothing is rolled back: a refit that fails after loading started leaves the receiver
-``partial`` until the next (dense) refit.
+model (every tensor-parallel rank has its own and reads every checkpoint tensor whole from the
+shared buffers; vLLM's loader keeps the rank's slice). Each refit is one vLLM update session:
+``update_weights({"timeout_s"})`` serves the trainer's control socket until the refit commits
+or aborts, ``update_weights({"apply": True})`` (sent by the controller once every worker
+committed) makes the refit the one the model serves, and ``finish_weight_update`` ends it.
+
+Buckets reach the model through :class:`~refit_core.vllm.loading.CheckpointLoading`: staged
+(default) in host memory and loaded by ``apply``, so a refit that fails anywhere leaves the
+model untouched, or streamed into vLLM's layerwise reload as they arrive, so a refit that fails
+after its first bucket leaves the model partial until a complete refit (the controller keeps
+such an engine closed).
 """
 
 from __future__ import annotations
@@ -20,13 +25,10 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from vllm.model_executor.model_loader.reload import (
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
 
 from refit_core import RefitError
 from refit_core.backend import checkpoint_specs, dtype_name
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_zmq.ipc import IpcReceiver
 
 __all__ = ["IpcInitInfo", "IpcUpdateInfo", "VllmIpcReceiver"]
@@ -36,16 +38,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class IpcInitInfo:
-    """``init_weight_transfer_engine`` arguments: where the control socket binds."""
+    """``init_weight_transfer_engine`` arguments: where the control socket binds and whether
+    refits are staged in host memory until they complete."""
 
     bind_address: str = "tcp://127.0.0.1:*"
+    staged: bool = True
 
 
 @dataclass
 class IpcUpdateInfo:
-    """``update_weights`` arguments: serve one refit within ``timeout_s`` (None: no limit)."""
+    """``update_weights`` arguments: serve one refit within ``timeout_s`` (None: no limit), or,
+    with ``apply``, make the refit this session committed the one the model serves."""
 
     timeout_s: float | None = None
+    apply: bool = False
 
 
 class _WorkerModel:
@@ -54,24 +60,29 @@ class _WorkerModel:
     def __init__(self, receiver: VllmIpcReceiver) -> None:
         self._receiver = receiver
 
+    @property
+    def stages_refits(self) -> bool:
+        """Whether a refit reaches the model only after its commit."""
+        return self._receiver.loading.staged
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        # Layerwise reload keeps a layer's tensors until the layer is complete, and the shared
-        # buffer is refilled once this call returns: hand it copies.
-        return self._receiver.model.load_weights([(n, t.clone()) for n, t in weights])
+        self._receiver.loading.take(weights)
+        return None
 
     def set_weight_version(self, version: int) -> None:
-        logger.info("ipc: version %d loaded", version)
+        self._receiver.received = version
+        logger.info("ipc: version %d received", version)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to drop here: the prefix cache lives in vLLM's scheduler, which the
-        controller resets after the session (:class:`~refit_zmq.vllm.VllmIpcGeneration`)."""
+        controller resets when it reopens the engine (:class:`~refit_core.vllm.VllmGate`)."""
 
     def checkpoint_tensor_specs(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
         config = self._receiver.model_config
         return checkpoint_specs(config.model, dtype_name(config.dtype))
 
 
-class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
+class VllmIpcReceiver(LoadingReceiver, WeightTransferEngine):  # type: ignore[misc]
     """refit-zmq's colocated IPC receiver in one vLLM worker."""
 
     init_info_cls = IpcInitInfo
@@ -82,12 +93,16 @@ class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.receiver: IpcReceiver | None = None
         self.address: str | None = None
-        self._reloading = False
+        self.loading = CheckpointLoading(self, staged=True)
+        self.received: int | None = None
+        """The version this session's refit committed (None: none yet)."""
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
-        """(Re)bind the control socket; the version carries over."""
+        """(Re)bind the control socket and set the staging mode; the version carries over."""
         version = 0 if self.receiver is None else self.receiver.version
         self.shutdown()
+        self.loading.abandon()
+        self.loading.staged = init_info.staged
         self.receiver = IpcReceiver(
             _WorkerModel(self), bind_address=init_info.bind_address, version=version
         )
@@ -95,26 +110,35 @@ class VllmIpcReceiver(WeightTransferEngine):  # type: ignore[misc]
         logger.info("ipc receiver at %s (version %d)", self.address, version)
 
     def start_weight_update(self) -> None:
-        """Put the model into layerwise reload."""
-        initialize_layerwise_reload(self.model)
-        self._reloading = True
+        """Start a session: nothing received yet (loading opens vLLM's layerwise reload when the
+        model is first written)."""
+        self.received = None
+        self.loading.begin()
 
     def receive_weights(self, update_info: IpcUpdateInfo) -> None:
-        """Serve one refit; a failure ends the reload at once (vLLM will not call
-        ``finish_weight_update``)."""
+        """Serve one refit, or apply the one this session committed; a failed refit drops what
+        was staged, or, streamed, ends the reload at once with the model partial."""
+        if update_info.apply:
+            if self.received is None:
+                raise RefitError("no refit committed in this update session: nothing to apply")
+            self.loading.complete()
+            self.loading.committed()
+            return
         try:
             if self.receiver is None:
                 raise RefitError("the IPC receiver was never bound (init_weight_transfer_engine)")
             self.receiver.serve_refit(update_info.timeout_s)
+            if not self.loading.staged:
+                self.loading.complete()
         except BaseException:
-            self.finish_weight_update()
+            self.loading.abandon()
             raise
 
     def finish_weight_update(self) -> None:
-        """Process the loaded layers into vLLM's kernel layout."""
-        if self._reloading:
-            self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
+        """End the session; a refit not applied is dropped (staged) or leaves the model
+        partial (streamed)."""
+        self.loading.abandon()
+        self.received = None
 
     def shutdown(self) -> None:
         """Close the control socket."""

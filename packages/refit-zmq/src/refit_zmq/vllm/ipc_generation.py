@@ -1,10 +1,12 @@
 """The controller's side of colocated IPC refits into vLLM engines.
 
-:class:`VllmIpcGeneration` binds an IPC receiver in each engine's worker, lists their control
-addresses for the synchronizer (``IpcGeneration``), and runs each refit inside vLLM's update
-session (``RefitSessions``): before ``begin`` every worker enters ``update_weights`` (serving
-the control socket), after the commit or abort the session is finished, and after a commit
-the scheduler's prefix cache is reset and the version reported to vLLM.
+:class:`VllmIpcGeneration` binds an IPC receiver in every worker of each engine (every
+tensor-parallel rank reads the shared buffers), lists their control addresses for the
+synchronizer (``IpcGeneration``), and runs each refit inside vLLM's update session
+(``RefitSessions``): before ``begin`` every worker enters ``update_weights`` (serving the control
+socket); after the commit each engine is closed, loads the refit (``apply``: the staged tensors,
+or nothing more when streamed), and reopens on the new version; after a failure each engine is
+reopened on its old weights, or left closed where its model was written.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from refit_core import RefitError
+from refit_core import EngineReport, RefitError
+from refit_core.backend import with_engines
+from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmIpcGeneration"]
 
@@ -22,75 +26,92 @@ logger = logging.getLogger(__name__)
 
 
 class VllmIpcGeneration:
-    """Single-worker vLLM engines with refit-zmq's IPC receiver, in shard order.
+    """vLLM engines with refit-zmq's IPC receiver, in shard order (shard ``i`` of the
+    synchronizer is worker ``i`` of the flattened list: engine 0's ranks first).
 
     Args:
         engines: ``vllm.LLM`` objects started with ``refit_zmq.vllm.engine_args("ipc")``.
+        staged: stage each refit in host memory and load it only once every worker received it
+            whole (a failed refit leaves every engine on its old version; memory: one host
+            copy of the checkpoint per worker), or stream it into the model (no extra memory;
+            an engine whose refit fails after its first bucket stays closed until a complete
+            refit).
         bind_address: where each control socket binds (default loopback, an ephemeral port).
         control_timeout_s: bound of every RPC that carries no deadline of its own.
-        grace_s: added to a refit's deadline before vLLM gives up waiting for the worker.
+        grace_s: added to a refit's deadline before vLLM gives up waiting for the workers.
     """
 
     def __init__(
         self,
         engines: Sequence[Any],
         *,
+        staged: bool = True,
         bind_address: str = "tcp://127.0.0.1:*",
         control_timeout_s: float = 120.0,
         grace_s: float = 30.0,
     ) -> None:
-        self._engines = list(engines)
-        self._timeout_s = control_timeout_s
+        self._staged = staged
         self._grace_s = grace_s
+        self._control_timeout_s = control_timeout_s
+        self._engines = start_receivers(
+            engines, {"bind_address": bind_address, "staged": staged}, control_timeout_s
+        )
         self._executor = ThreadPoolExecutor(len(self._engines), thread_name_prefix="refit-ipc")
         self._sessions: list[Future[None]] = []
-        self._addresses: list[str] = []
-        for llm in self._engines:
-            self._rpc(llm, "init_weight_transfer_engine", {"bind_address": bind_address})
-            (address,) = self._rpc(llm, "refit_zmq_address")
-            self._addresses.append(address)
-        logger.info("ipc receivers at %s", self._addresses)
+        logger.info("ipc receivers at %s", self.ipc_addresses())
 
     def ipc_addresses(self) -> list[str]:
-        """The receivers' control addresses, one per engine, in shard order."""
-        return list(self._addresses)
+        """The receivers' control addresses, every worker of every engine, in shard order."""
+        return [address for engine in self._engines for address in engine.addresses]
 
     def refit_started(self, version: int, timeout_s: float | None) -> None:
-        """Put every worker into an update session serving the refit; returns at once."""
+        """Put every worker into an update session serving the refit (a streamed refit closes
+        each engine first); returns at once."""
         self._sessions = [
-            self._executor.submit(self._serve, llm, timeout_s) for llm in self._engines
+            self._executor.submit(self._serve, engine, timeout_s) for engine in self._engines
         ]
 
-    def _serve(self, llm: Any, timeout_s: float | None) -> None:
-        self._rpc(llm, "start_weight_update")
+    def _serve(self, engine: VllmEngine, timeout_s: float | None) -> None:
+        if not self._staged:
+            engine.gate.close()
+        engine.rpc("start_weight_update")
         bound = None if timeout_s is None else timeout_s + self._grace_s
-        llm.collective_rpc("update_weights", timeout=bound, args=({"timeout_s": timeout_s},))
+        engine.rpc("update_weights", {"timeout_s": timeout_s}, timeout_s=bound)
 
     def refit_finished(self, version: int, committed: bool) -> None:
-        """Finish every session; after a commit the engines serve ``version``.
+        """End every session: after a commit each engine loads the refit and serves
+        ``version``; after a failure each serves its old weights, or stays closed where its
+        model was written.
 
         Raises:
-            RefitError: naming the engines whose session failed.
+            RefitError: after a failure always, with each engine's state (``engines``); after
+                a commit, naming the engines that could not load it.
         """
         failures: dict[str, str] = {}
+        reports: list[EngineReport] = []
         sessions, self._sessions = self._sessions, []
-        for address, llm, session in zip(self._addresses, self._engines, sessions, strict=True):
+        for engine, session in zip(self._engines, sessions, strict=True):
             try:
-                session.result(timeout=self._timeout_s)
-                self._rpc(llm, "finish_weight_update")
+                session.result(timeout=self._control_timeout_s)
                 if committed:
-                    llm.reset_prefix_cache()
-                    llm.llm_engine.set_weight_version(str(version))
+                    self._load(engine, version)
+                    continue
+                engine.rpc("finish_weight_update")
+                reports.append(engine.settle(f"refit {version} aborted"))
             except Exception as exc:
-                logger.warning("engine %s: refit %d session failed", address, version)
-                failures[address] = f"{type(exc).__name__}: {exc}"
-        if failures:
-            raise RefitError(f"refit {version}: engine sessions failed: {failures}")
+                logger.warning("%s: refit %d failed here: %s", engine.label, version, exc)
+                failures[engine.label] = f"{type(exc).__name__}: {exc}"
+                reports.append(engine.settle(str(exc)))
+        if failures or not committed:
+            what = f"engines failed: {failures}" if failures else "aborted"
+            raise with_engines(RefitError(f"refit {version}: {what}"), reports)
+
+    def _load(self, engine: VllmEngine, version: int) -> None:
+        engine.gate.close()
+        engine.rpc("update_weights", {"apply": True})
+        engine.rpc("finish_weight_update")
+        engine.gate.open(version)
 
     def close(self) -> None:
         """Stop the session threads (the engines belong to whoever started them)."""
         self._executor.shutdown(wait=False)
-
-    def _rpc(self, llm: Any, method: str, *args: Any) -> list[Any]:
-        replies: list[Any] = llm.collective_rpc(method, timeout=self._timeout_s, args=args)
-        return replies

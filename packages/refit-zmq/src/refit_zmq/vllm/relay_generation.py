@@ -1,9 +1,12 @@
 """The controller's side of sparse refits into vLLM engines.
 
-:class:`VllmRelayGeneration` starts a relay in each engine's worker, lists their addresses
-for the synchronizer (``ZmqRelayGeneration``), and once the relays committed a version makes
-each engine serve it: vLLM's update session pushes the changed layers, then the scheduler's
-prefix cache is reset and the version reported to vLLM.
+:class:`VllmRelayGeneration` starts a relay in every worker of each engine (every
+tensor-parallel rank), lists their addresses for the synchronizer (``ZmqRelayGeneration``), and
+once the relays committed a version makes each engine serve it: the engine is closed (requests
+held), vLLM's update session writes the staged deltas and reloads what changed, and the engine
+reopens on the new version with its prefix cache dropped. An engine that could not take the
+version is reopened on its previous weights (its writes were undone; the next refit resyncs
+it) or, if its model was written in part, stays closed until a later refit completes it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core import RefitError
+from refit_core import EngineReport, EngineState, Recovery, RefitError
+from refit_core.backend import with_engines
+from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmRelayGeneration"]
 
@@ -20,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class VllmRelayGeneration:
-    """Single-worker vLLM engines with refit-zmq's relay receiver, in shard order.
+    """vLLM engines with refit-zmq's relay receiver, in shard order (relay ``i`` of the
+    synchronizer is worker ``i`` of the flattened list: engine 0's ranks first).
 
     Args:
         engines: ``vllm.LLM`` objects started with :func:`refit_zmq.vllm.engine_args`.
@@ -39,48 +45,51 @@ class VllmRelayGeneration:
         relay_timeout_s: float = 30.0,
         control_timeout_s: float = 120.0,
     ) -> None:
-        self._engines = list(engines)
-        self._timeout_s = control_timeout_s
         init = {
             "bind_address": bind_address,
             "api_key_env_var": api_key_env_var,
             "timeout_s": relay_timeout_s,
         }
-        self._addresses: list[str] = []
-        for llm in self._engines:
-            self._rpc(llm, "init_weight_transfer_engine", init)
-            (address,) = self._rpc(llm, "refit_zmq_address")
-            self._addresses.append(address)
-        logger.info("relays at %s", self._addresses)
+        self._engines = start_receivers(engines, init, control_timeout_s)
+        logger.info("relays at %s", self.relay_addresses())
 
     def relay_addresses(self) -> list[str]:
-        """The relays' addresses, one per engine, in shard order."""
-        return list(self._addresses)
+        """The relays' addresses, every worker of every engine, in shard order."""
+        return [address for engine in self._engines for address in engine.addresses]
 
     def refit_committed(self, version: int) -> None:
-        """Make every engine serve ``version``, which its relay committed.
+        """Make every engine serve ``version``, which its relays committed.
 
         Raises:
-            RefitError: naming the engines that could not (the others serve ``version``); a
-                later refit pushes everything they missed.
+            RefitError: naming the engines that could not; ``engines`` says what every engine
+                serves now (the others: ``version``, state ``new``).
         """
-        failures: dict[str, str] = {}
-        for address, llm in zip(self._addresses, self._engines, strict=True):
+        reports: list[EngineReport] = []
+        failed = False
+        for engine in self._engines:
             try:
-                self._rpc(llm, "start_weight_update")
-                self._rpc(llm, "update_weights", {"version": version})
-                self._rpc(llm, "finish_weight_update")
-                llm.reset_prefix_cache()
-                llm.llm_engine.set_weight_version(str(version))
+                self._serve(engine, version)
             except Exception as exc:
-                logger.warning("engine %s did not take version %d", address, version, exc_info=True)
-                failures[address] = f"{type(exc).__name__}: {exc}"
-        if failures:
-            raise RefitError(
-                f"relays committed version {version} but engines did not load it: {failures}",
-                is_retryable=True,
+                logger.warning("%s did not take version %d: %s", engine.label, version, exc)
+                failed = True
+                reports.append(engine.settle(f"{type(exc).__name__}: {exc}"))
+            else:
+                reports.append(EngineReport(engine.shard, engine.label, EngineState.NEW, version))
+        if failed:
+            states = {r.state for r in reports}
+            recovery = Recovery.RESYNC if EngineState.OLD in states else Recovery.RETRY
+            error = RefitError(
+                f"relays committed version {version} but not every engine loaded it",
+                recovery=recovery,
             )
+            raise with_engines(
+                error, [r for r in reports if r.state is not EngineState.NEW]
+            ) from None
 
-    def _rpc(self, llm: Any, method: str, *args: Any) -> list[Any]:
-        replies: list[Any] = llm.collective_rpc(method, timeout=self._timeout_s, args=args)
-        return replies
+    @staticmethod
+    def _serve(engine: VllmEngine, version: int) -> None:
+        engine.gate.close()
+        engine.rpc("start_weight_update")
+        engine.rpc("update_weights", {"version": version})
+        engine.rpc("finish_weight_update")
+        engine.gate.open(version)

@@ -1,0 +1,146 @@
+"""Checkpoint-format tensors into one vLLM worker's model, staged or streamed.
+
+vLLM repacks parameters at load (fused ``qkv_proj``, kernel layouts), so checkpoint tensors
+reach a running model only through its layerwise reload: the layers go back to checkpoint
+shapes, each layer is loaded and processed once all of its tensors arrived, and the result is
+copied into the kernel tensors. A layer loaded in part cannot be undone, so:
+
+- **staged** (default): every tensor is copied to host memory as it arrives and nothing touches
+  the model until the refit is complete; then one reload session loads them all. A refit that
+  fails before then leaves the model exactly as it was. Memory: one host copy of the
+  checkpoint tensors this worker receives (buffers kept for the next refit).
+- **streamed**: each bucket goes into the reload session as it arrives. No extra memory
+  beyond a layer's tensors, but from the first bucket until the refit completes the model
+  holds weights of no single version (:attr:`CheckpointLoading.partial`), so the engine must
+  stay closed (:class:`~refit_core.vllm.VllmGate`) until a later complete refit.
+
+Only a vLLM worker imports this module (it imports torch and vLLM).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+__all__ = ["CheckpointLoading", "LoadingReceiver", "ModelHolder"]
+
+logger = logging.getLogger(__name__)
+
+
+class ModelHolder(Protocol):
+    """What owns the model a refit loads into (vLLM's ``WeightTransferEngine`` does)."""
+
+    model: Any
+    model_config: Any
+
+
+class CheckpointLoading:
+    """One worker's loads of checkpoint tensors, one refit at a time.
+
+    Args:
+        holder: the worker's weight-transfer engine (its current ``model`` and config).
+        staged: stage in host memory until :meth:`complete` (see the module docstring).
+    """
+
+    def __init__(self, holder: ModelHolder, *, staged: bool) -> None:
+        self._holder = holder
+        self.staged = staged
+        self.partial = False
+        """Whether the model holds weights other than the version it serves (a load began
+        and no refit was committed since)."""
+        self.last_load_s: float | None = None
+        """How long the last :meth:`complete` took (the staged load, or the reload's end)."""
+        self._host: dict[str, torch.Tensor] = {}
+        self._received: list[str] = []
+        self._reloading = False
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory the staging buffers hold."""
+        return sum(t.numel() * t.element_size() for t in self._host.values())
+
+    def begin(self) -> None:
+        """Start a refit: forget what an unfinished one received."""
+        self._received = []
+
+    def take(self, weights: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> None:
+        """One bucket's tensors, valid only during this call (``copy``) or until the refit
+        completes."""
+        if self.staged:
+            for name, tensor in weights:
+                self._stage(name, tensor)
+            return
+        if not self._reloading:
+            initialize_layerwise_reload(self._holder.model)
+            self._reloading = True
+        self.partial = True
+        # The reload keeps a layer's tensors until the layer is complete, while a caller may
+        # reuse its buffers once this returns.
+        self._holder.model.load_weights([(n, t.clone() if copy else t) for n, t in weights])
+
+    def _stage(self, name: str, tensor: torch.Tensor) -> None:
+        held = self._host.get(name)
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+            held = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            self._host[name] = held
+        held.copy_(tensor)
+        self._received.append(name)
+
+    def complete(self) -> None:
+        """The refit is complete: load what was staged (staged) or finish the reload session
+        (streamed). The model holds the refit's weights once this returns (still
+        :attr:`partial` until :meth:`committed`)."""
+        started = time.perf_counter()
+        if self.staged and self._received:
+            initialize_layerwise_reload(self._holder.model)
+            self._reloading = True
+            self.partial = True
+            try:
+                self._holder.model.load_weights([(n, self._host[n]) for n in self._received])
+            finally:
+                self._finish()
+            logger.info("loaded %d staged tensors", len(self._received))
+        else:
+            self._finish()
+        self._received = []
+        self.last_load_s = time.perf_counter() - started
+
+    def committed(self) -> None:
+        """The loaded refit is the version the engine serves now."""
+        self.partial = False
+
+    def abandon(self) -> None:
+        """The refit failed: drop what was staged (the model is untouched), or end the reload
+        session (the model stays :attr:`partial` if anything was loaded)."""
+        self._received = []
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._reloading:
+            self._reloading = False
+            finalize_layerwise_reload(self._holder.model, self._holder.model_config)
+
+
+class LoadingReceiver:
+    """Mixed into a weight-transfer engine that loads through ``self.loading``: what it
+    reports about the model."""
+
+    loading: CheckpointLoading
+
+    @property
+    def partial(self) -> bool:
+        """Whether the model holds weights other than the version it serves."""
+        return self.loading.partial
+
+    @property
+    def last_apply_s(self) -> float | None:
+        """How long writing the last refit into the model took."""
+        return self.loading.last_load_s

@@ -1,0 +1,1 @@
+"""Receivers: what a relay applies payloads to, transactionally, as their bytes arrive."""

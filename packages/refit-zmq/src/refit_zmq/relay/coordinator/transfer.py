@@ -1,0 +1,175 @@
+"""One whole transfer: every producer streams its shard at once, then the coordinator decides.
+
+Producers are :class:`~refit_zmq.relay.producer.shard.ShardProducer` objects reached as
+participants (Ray actors on the trainer ranks, or objects in this process). Their trackers
+commit their baselines only after the coordinator committed the transfer on the relays; on
+any failure they are aborted, so the next transfer is again a delta against the version
+every receiver holds (or a dense resync when asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from refit_core import EngineState, RefitError, RefitTimeoutError, WorkerError
+from refit_core.backend import Deadline, Participant, gather, method_name
+from refit_zmq.relay.coordinator.coordinator import (
+    DECISION_GRACE_S,
+    RelayCoordinator,
+    new_transfer_id,
+)
+from refit_zmq.relay.coordinator.outcome import TransferOutcome
+from refit_zmq.relay.producer.shard import ShardProducerRole, StreamOrder, TransferOptions
+
+__all__ = ["TransferResult", "run_transfer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A committed transfer: the coordinator's outcome, each producer's counts, the timings.
+
+    ``unsettled`` names the producers that did not confirm their tracker's commit (their
+    next transfer must be a dense resync).
+    """
+
+    outcome: TransferOutcome
+    shards: list[dict[str, int]]
+    stream_s: float
+    finish_s: float
+    unsettled: tuple[str, ...] = ()
+
+    def total(self, key: str) -> int:
+        """A count summed over the shards (``payloads``, ``wire_bytes``, ...)."""
+        return sum(shard[key] for shard in self.shards)
+
+
+def run_transfer(
+    coordinator: RelayCoordinator,
+    producers: Sequence[Participant[ShardProducerRole]],
+    *,
+    target_version: int,
+    resync: bool,
+    options: TransferOptions,
+    expected_digests: Mapping[str, int] | None = None,
+    deadline: Deadline | None = None,
+    shards: Mapping[str, int] | None = None,
+) -> TransferResult:
+    """Let every producer stream (concurrently, each rooted at its own relay) and finish.
+
+    Args:
+        deadline: the refit's deadline: it travels with every payload (a relay aborts a
+            transfer it has not prepared by then), and bounds the producers' streams (a
+            producer still streaming then is named as wedged), the flush and the delivery
+            of the decision (see :meth:`RelayCoordinator.finish`).
+        shards: relay address -> its shard index, for the error (default: tree order).
+
+    Raises:
+        RefitError: a producer or a relay failed; the transfer was aborted everywhere, every
+            tracker too, and the error names the relays or producers that failed, with every
+            relay's state (:meth:`TransferOutcome.error`).
+    """
+    deadline = deadline or Deadline.never()
+    shards = shards or {address: i for i, address in enumerate(coordinator.relays)}
+    transfer_id = new_transfer_id(target_version)
+    order = StreamOrder(
+        transfer_id, coordinator.relays, target_version, resync, options, deadline.remaining_s()
+    )
+    started = time.monotonic()
+    streams = gather(
+        {p: p.call(ShardProducerRole.refit_stream, order) for p in producers},
+        deadline.remaining_s(),
+    )
+    streamed = time.monotonic()
+    if not streams.ok:
+        logger.warning("transfer %s: a producer failed; aborting", transfer_id)
+        decisions, errors = coordinator.abort(transfer_id, deadline=deadline)
+        answered = [p for p in producers if p not in streams.missing]
+        _settle(answered, commit=False, wait_s=_settle_s(options, deadline))
+        aborted = TransferOutcome(transfer_id, False, {}, (), decisions, errors)
+        missing = [p.label for p in streams.missing]
+        raise _producer_error(streams.errors, missing, aborted, shards)
+    stats = [streams.results[p] for p in producers]
+    outcome = coordinator.finish(
+        transfer_id,
+        sum(s["payloads"] for s in stats),
+        expected_digests=expected_digests,
+        deadline=deadline,
+    )
+    unsettled = _settle(producers, commit=outcome.committed, wait_s=_settle_s(options, deadline))
+    if not outcome.committed:
+        raise outcome.error(shards, target=target_version)
+    return TransferResult(
+        outcome, stats, streamed - started, time.monotonic() - streamed, unsettled
+    )
+
+
+def _settle_s(options: TransferOptions, deadline: Deadline) -> float:
+    """How long producers may take to settle their trackers: one reply's timeout, and never
+    past the decision's grace after the deadline."""
+    left = deadline.remaining_s()
+    return options.timeout_s if left is None else min(options.timeout_s, left + DECISION_GRACE_S)
+
+
+def _settle(
+    producers: Sequence[Participant[ShardProducerRole]], *, commit: bool, wait_s: float | None
+) -> tuple[str, ...]:
+    """Commit or abort the producers' trackers; the labels of those that did not confirm.
+
+    A producer still streaming when the transfer failed is not told: its stream fails on the
+    aborted transfer and aborts its tracker itself (or its next stream drops the leftover)."""
+    method = ShardProducerRole.refit_commit if commit else ShardProducerRole.refit_abort
+    settled = gather({p: p.call(method) for p in producers}, wait_s)
+    failed = (*settled.errors, *settled.missing)
+    if failed:
+        what = "commit" if commit else "abort"
+        logger.warning("%s failed on producers %s", what, [p.label for p in failed])
+    return tuple(p.label for p in failed)
+
+
+def _producer_error(
+    errors: Mapping[Participant[ShardProducerRole], BaseException],
+    missing: Sequence[str],
+    aborted: TransferOutcome,
+    shards: Mapping[str, int],
+) -> RefitError:
+    """The error a failed stream raises: a timeout naming the producers still streaming at
+    the deadline, else the first producer's failure (a relay's refusal it met, or a dead
+    rank) named; with every relay's state after the abort, the producer's error as cause."""
+    engines = aborted.engines(shards)
+    unknown = [e.worker for e in engines if e.state is EngineState.UNKNOWN]
+    if missing:
+        return RefitTimeoutError(
+            f"producers {list(missing)} still streaming at the refit's deadline; "
+            f"transfer {aborted.transfer_id} aborted",
+            engines=engines,
+            wedged_workers=[*missing, *unknown],
+        )
+    participant, error = next(iter(errors.items()))
+    lines = str(error).strip().splitlines()
+    first_line = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+    failed: RefitError
+    if isinstance(error, RefitError) and not isinstance(error, WorkerError):
+        failed = type(error)(
+            f"{participant.label} could not stream transfer {aborted.transfer_id}: {first_line}",
+            recovery=error.recovery,
+            engines=engines,
+            wedged_workers=unknown,
+        )
+    else:
+        failed = WorkerError(
+            first_line,
+            worker=participant.label,
+            operation=(
+                f"{method_name(ShardProducerRole.refit_stream)} "
+                f"(transfer {aborted.transfer_id} aborted)"
+            ),
+            engines=engines,
+            wedged_workers=unknown,
+        )
+    failed.__cause__ = error
+    return failed
