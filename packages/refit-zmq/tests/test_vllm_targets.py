@@ -143,7 +143,8 @@ def test_deltas_staged_then_written_in_place_equal_a_fresh_load() -> None:
     )
     assert _send(deltas, tracker.encode(first, WeightVersion(1)), "t1") > 3
     assert _equal(model, _loaded(start)), "staging writes nothing"
-    assert deltas.status()["open"]["payloads"] > 3
+    opened = deltas.status().open
+    assert opened is not None and opened.payloads > 3
     deltas.commit("t1")
     tracker.commit()
     version, writes = deltas.take_committed()
@@ -195,13 +196,16 @@ def test_the_receiver_refuses_what_does_not_follow_and_keeps_one_transfer_open()
     tracker.abort()
     tracker.load_baseline(start, WeightVersion(3))
     (payload,) = _bodies(tracker.encode(_stepped(start, 1), WeightVersion(4)))
-    deltas.apply(payload, {"transfer_id": "a"})
+    with pytest.raises(ProtocolError, match="its BEGIN from 3 to 5"):
+        deltas.apply(payload, {"transfer_id": "a", "base": 3, "target": 5})
+    assert deltas.status().open is None, "a refused payload stages nothing"
+    deltas.apply(payload, {"transfer_id": "a", "base": 3, "target": 4})
     with pytest.raises(TransferConflictError):
         deltas.apply(payload, {"transfer_id": "b"})
     with pytest.raises(ProtocolError, match="digests"):
         deltas.status(digests=True)
-    assert deltas.commit("a")["committed"]
-    assert not deltas.commit("a")["committed"], "a repeated commit is answered, not redone"
+    assert deltas.commit("a").committed
+    assert not deltas.commit("a").committed, "a repeated commit is answered, not redone"
     with pytest.raises(StaleTransferError):
         deltas.rollback("a")
     tracker.commit()

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from refit_core.backend import notify
 from refit_zmq.relay import CurveConfig, RelayTuning, TensorReceiver, ZmqSparseRefitServer
 
 __all__ = ["EngineRelay", "RelayEngine"]
@@ -17,7 +18,13 @@ logger = logging.getLogger(__name__)
 
 class RelayEngine(Protocol):
     """What a relay needs from an engine worker (the reference engine has it; vLLM's worker
-    extension provides it in the vLLM issue)."""
+    extension provides it in the vLLM issue).
+
+    The engine may also have the optional notifications of
+    :class:`refit_core.RefitHooks`: ``on_refit_begin`` before the first byte of a transfer is
+    written, ``on_refit_commit`` after a commit, ``on_refit_abort(weights_changed=False)``
+    after a rollback restored every bit (this row never leaves partial weights behind while
+    its relay lives)."""
 
     @property
     def weight_version(self) -> int:
@@ -40,8 +47,10 @@ class RelayEngine(Protocol):
 class EngineRelay:
     """A relay whose receiver applies payloads to ``engine``'s weights, transactionally.
 
-    On commit the engine's version is set and its prefix cache reset; on rollback the old
-    bits are restored and the cache is reset too (generation may have run meanwhile).
+    Before a transfer's first write the engine is told (``on_refit_begin``, if it has it); on
+    commit the engine's version is set, its prefix cache reset and it is told
+    (``on_refit_commit``); on rollback the old bits are restored, the cache is reset too
+    (generation may have run meanwhile) and it is told (``on_refit_abort``).
 
     Args:
         engine: the worker's engine.
@@ -66,8 +75,9 @@ class EngineRelay:
         receiver = TensorReceiver(
             engine.checkpoint_tensors(),
             version=engine.weight_version,
+            on_begin=self._begin,
             on_commit=self._committed,
-            on_rollback=engine.reset_prefix_cache,
+            on_rollback=self._rolled_back,
         )
         self._server = ZmqSparseRefitServer(
             receiver,
@@ -78,9 +88,17 @@ class EngineRelay:
             curve=curve,
         )
 
+    def _begin(self, version: int) -> None:
+        notify(self._engine, "on_refit_begin", version)
+
     def _committed(self, version: int) -> None:
         self._engine.set_weight_version(version)
         self._engine.reset_prefix_cache()
+        notify(self._engine, "on_refit_commit", version)
+
+    def _rolled_back(self, version: int) -> None:
+        self._engine.reset_prefix_cache()
+        notify(self._engine, "on_refit_abort", version, weights_changed=False)
 
     def start(self) -> str:
         """Start the relay; its address."""

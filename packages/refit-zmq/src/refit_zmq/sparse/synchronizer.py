@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from refit_core import (
+    EngineHealth,
     EngineReport,
     EngineState,
+    EngineStatus,
+    FleetStatus,
     RefitError,
     RefitResult,
     RefitTimeoutError,
@@ -136,17 +139,26 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
 
     # -- hooks ---------------------------------------------------------------------------
 
+    def _control(self, deadline: Deadline) -> RelayCoordinator:
+        """The coordinator (made on first use: status may be asked before the first refit),
+        its reply timeout derived from ``deadline``."""
+        if self._coordinator is None:
+            options = self._options
+            self._coordinator = RelayCoordinator(
+                api_key=api_key_from_env(options.api_key_env_var),
+                timeout_s=self._call_timeout(deadline),
+                tuning=options.tuning,
+                curve=options.curve,
+            )
+        self._coordinator.timeout_s = self._call_timeout(deadline)
+        return self._coordinator
+
     def _init_communicator(self, deadline: Deadline) -> None:
         options = self._options
-        self._coordinator = RelayCoordinator(
-            api_key=api_key_from_env(options.api_key_env_var),
-            timeout_s=self._call_timeout(deadline),
-            tuning=options.tuning,
-            curve=options.curve,
-        )
+        coordinator = self._control(deadline)
         addresses = list(self._relays())
         self._shards = {address: shard for shard, address in enumerate(addresses)}
-        self._coordinator.configure_tree(addresses)
+        coordinator.configure_tree(addresses)
         item_bytes = max(1, min(options.bucket_size_bytes, options.tuning.max_inflight_bytes) // 2)
         count = len(self._producers)
         self._on_producers(
@@ -323,6 +335,23 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _is_stale(self) -> bool:
         return self._stale
 
+    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """Every relay's engine, left-out relays included: serving its committed version,
+        closed while a transfer holds part of its bytes, or unreachable."""
+        relays = list(self._relays())
+        statuses = self._control(deadline).status(relays=relays, deadline=deadline)
+        return FleetStatus(
+            tuple(_engine_status(shard, a, statuses.get(a)) for shard, a in enumerate(relays))
+        )
+
+    def _close_open_transfers(self, deadline: Deadline) -> None:
+        self._control(deadline).close_open_transfers(deadline=deadline)
+
+    def _live_shards(self) -> frozenset[int] | None:
+        if self._coordinator is None:
+            return None
+        return frozenset(self._tree_shards().values())
+
     def _reconcile_communicator(self, absent_shards: frozenset[int], deadline: Deadline) -> None:
         coordinator = self._coordinator
         assert coordinator is not None
@@ -343,3 +372,21 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         gather(calls, self._options.call_timeout_s)
         for producer in self._producers:
             producer.close()
+
+
+def _engine_status(
+    shard: int, address: str, status: RelayStatus | Exception | None
+) -> EngineStatus:
+    """One relay's engine as its STATUS answer tells (no answer: unreachable)."""
+    if not isinstance(status, RelayStatus):
+        detail = "no answer" if status is None else f"{type(status).__name__}: {status}"
+        return EngineStatus(shard, address, EngineHealth.UNREACHABLE, detail=detail[:200])
+    if status.open is not None:
+        return EngineStatus(
+            shard,
+            address,
+            EngineHealth.CLOSED,
+            staged_version=status.open.target,
+            detail=f"transfer {status.open.transfer_id} holds part of its bytes",
+        )
+    return EngineStatus(shard, address, EngineHealth.SERVING, status.version or 0)

@@ -22,7 +22,16 @@ import torch
 from refit_core import ProtocolError, WeightVersion
 from refit_zmq.codec import DecodedItem, check_item, decode_locations, decode_payload, unpack_buffer
 from refit_zmq.codec.dtypes import unsigned_numpy_dtype
-from refit_zmq.relay import StaleTransferError, admit_target
+from refit_zmq.relay import (
+    AbortReply,
+    ApplyResult,
+    CommitReply,
+    ReceiverOpen,
+    ReceiverStatus,
+    StaleTransferError,
+    admit_target,
+)
+from refit_zmq.relay.apply.receiver import check_declared
 from refit_zmq.vllm.targets import CheckpointTargets, StagedWrite
 
 __all__ = ["StagedDeltas"]
@@ -74,7 +83,7 @@ class StagedDeltas:
         self._pending: list[StagedWrite] = []
         self._lock = threading.Lock()
 
-    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> ApplyResult:
         """Verify one payload and stage this worker's writes of it.
 
         Raises:
@@ -84,6 +93,7 @@ class StagedDeltas:
         """
         decoded = decode_payload(body)
         transfer_id = str(metadata["transfer_id"])
+        check_declared(metadata, (i.header for i in decoded.items), transfer_id)
         with self._lock:
             for item in decoded.items:
                 check_item(item.header, self._specs, self._version)
@@ -104,7 +114,7 @@ class StagedDeltas:
                 self._open = _Open(transfer_id, target)
             self._open.writes.extend(writes)
             self._open.payloads += 1
-        return {"items": len(decoded.items), "nbytes": decoded.nbytes, "verified": 0}
+        return ApplyResult(len(decoded.items), decoded.nbytes, 0)
 
     def _stage(self, item: DecodedItem) -> list[StagedWrite]:
         header = item.header
@@ -117,22 +127,22 @@ class StagedDeltas:
         values = unpack_buffer(item.values).view(unsigned_numpy_dtype(header.itemsize))
         return self._targets.stage(header, indices, values)
 
-    def commit(self, transfer_id: str) -> dict[str, Any]:
+    def commit(self, transfer_id: str) -> CommitReply:
         """Queue the open transfer's writes for the worker (again: a no-op answer)."""
         with self._lock:
             opened = self._open
             if opened is None or opened.transfer_id != transfer_id:
                 if transfer_id == self._committed_id:
-                    return {"version": self._version.value, "committed": False}
+                    return CommitReply(transfer_id, self._version.value, committed=False)
                 raise StaleTransferError(f"transfer {transfer_id} is not open here; cannot commit")
             self._open = None
             self._pending.extend(opened.writes)
             self._version = opened.target
             self._committed_id = transfer_id
         logger.info("transfer %s committed: version %d staged", transfer_id, opened.target.value)
-        return {"version": opened.target.value, "committed": True}
+        return CommitReply(transfer_id, opened.target.value, committed=True)
 
-    def rollback(self, transfer_id: str) -> dict[str, Any]:
+    def rollback(self, transfer_id: str) -> AbortReply:
         """Drop the open transfer (nothing held: a no-op answer)."""
         with self._lock:
             if transfer_id == self._committed_id:
@@ -141,12 +151,13 @@ class StagedDeltas:
                 )
             opened = self._open
             if opened is None or opened.transfer_id != transfer_id:
-                return {"version": self._version.value, "restored": False}
+                return AbortReply(transfer_id, self._version.value, aborted=False, restored=False)
             self._open = None
         logger.info("transfer %s rolled back (%d payloads)", transfer_id, opened.payloads)
-        return {"version": self._version.value, "restored": True}
+        # Staged writes never reached the model: nothing to restore there.
+        return AbortReply(transfer_id, self._version.value, aborted=True, restored=False)
 
-    def status(self, *, digests: bool = False) -> dict[str, Any]:
+    def status(self, *, digests: bool = False) -> ReceiverStatus:
         """The committed version and the open transfer.
 
         Raises:
@@ -160,17 +171,14 @@ class StagedDeltas:
             )
         with self._lock:
             opened = self._open
-            return {
-                "version": self._version.value,
-                "open": None
+            return ReceiverStatus(
+                self._version.value,
+                None
                 if opened is None
-                else {
-                    "transfer_id": opened.transfer_id,
-                    "target": opened.target.value,
-                    "payloads": opened.payloads,
-                    "staged_bytes": opened.nbytes,
-                },
-            }
+                else ReceiverOpen(
+                    opened.transfer_id, opened.target.value, opened.payloads, opened.nbytes
+                ),
+            )
 
     def take_committed(self) -> tuple[int, list[StagedWrite]]:
         """The committed version and the writes that bring the model to it (handed over

@@ -36,6 +36,7 @@ __all__ = [
     "TensorReceiver",
     "admit_target",
     "as_receiver",
+    "check_declared",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,11 @@ class TensorReceiver:
     Args:
         tensors: name -> tensor the payloads write (views into an engine's parameters work).
         version: the version the tensors hold (None: unknown, so only a resync applies).
+        on_begin: called with a transfer's target version before its first payload writes a
+            byte (an engine stops generating there).
         on_commit: called with the new version after a commit (set the engine's version,
             reset its prefix cache).
-        on_rollback: called after a rollback restored the old bits.
+        on_rollback: called with the target version after a rollback restored the old bits.
         max_undo_bytes: refuse a payload whose undo data would pass this (default: four
             times the tensors' bytes, enough for any legitimate transfer).
         undo_pool_bytes: host memory kept from one transfer's undo copies for the next
@@ -145,16 +148,19 @@ class TensorReceiver:
         tensors: Mapping[str, torch.Tensor],
         *,
         version: int | None,
+        on_begin: Callable[[int], None] | None = None,
         on_commit: Callable[[int], None] | None = None,
-        on_rollback: Callable[[], None] | None = None,
+        on_rollback: Callable[[int], None] | None = None,
         max_undo_bytes: int | None = None,
         undo_pool_bytes: int | None = None,
         seed: int = 0,
     ) -> None:
         self._tensors = dict(tensors)
         self._version = None if version is None else WeightVersion(version)
+        self._on_begin = on_begin
         self._on_commit = on_commit
         self._on_rollback = on_rollback
+        self._begun: str | None = None
         state_bytes = _nbytes(self._tensors.values())
         self._max_undo_bytes = 4 * state_bytes if max_undo_bytes is None else max_undo_bytes
         self._rng = np.random.default_rng(seed)
@@ -199,7 +205,11 @@ class TensorReceiver:
         def admit(layout: PayloadLayout) -> None:
             items = [item for item, _ in layout.items]
             declared.check(items, transfer_id)
-            self._target(_targets(items), transfer_id)
+            target = self._target(_targets(items), transfer_id)
+            if self._begun != transfer_id:
+                self._begun = transfer_id
+                if self._on_begin is not None:
+                    self._on_begin(target.value)
 
         stream = PayloadStream(
             self._tensors,
@@ -279,7 +289,7 @@ class TensorReceiver:
             self.version,
         )
         if self._on_rollback is not None:
-            self._on_rollback()
+            self._on_rollback(opened.target.value)
         return AbortReply(transfer_id, self.version, aborted=True, restored=True)
 
     def status(self, *, digests: bool = False) -> ReceiverStatus:
@@ -324,6 +334,14 @@ class _Declared:
                     f"payload of transfer {transfer_id}: item {item.name!r} goes from "
                     f"{base} to {item.target.value}, its BEGIN from {self.base} to {self.target}"
                 )
+
+
+def check_declared(
+    metadata: Mapping[str, Any], items: Iterable[ItemHeader], transfer_id: str
+) -> None:
+    """Refuse (``ProtocolError``) a payload item whose base or target differs from what the
+    payload's BEGIN declared in ``metadata`` (nothing declared: a receiver called directly)."""
+    _Declared.of(metadata).check(items, transfer_id)
 
 
 def admit_target(
