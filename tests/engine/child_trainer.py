@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -166,7 +166,7 @@ def _serve(connection: Connection, factory: Any, args: tuple[Any, ...]) -> None:
         threading.Thread(target=run, args=(call_id, method, call_args), daemon=True).start()
 
 
-class ChildParticipant(Participant):
+class ChildParticipant(Participant[Any]):
     """An endpoint ``factory(*args)`` in a spawned process; a call fails with WorkerError once
     the process is gone."""
 
@@ -188,7 +188,9 @@ class ChildParticipant(Participant):
     def key(self) -> Hashable:
         return self.process.pid
 
-    def call(self, method: str, *args: object) -> Future[Any]:
+    def _start(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Future[Any]:
+        if kwargs:
+            raise TypeError(f"{method}: calls to a child process take positional arguments")
         future: Future[Any] = Future()
         with self._lock:
             self._next += 1

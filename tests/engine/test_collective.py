@@ -67,13 +67,15 @@ def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool
 
 def _failing(engine: Engine, checkpoints: Checkpoints, fault: str, *, staged: bool) -> RefitError:
     """A refit to A whose trainer process faults itself half-way through its tensors."""
-    from refit_nccl import CollectiveWeightSynchronizer
+    from refit_nccl import CollectiveTrainerRole, CollectiveWeightSynchronizer
 
     names = len(checkpoints.tensors["A"])
     trainer = ChildParticipant(
         "trainer 0", collective_trainer, [checkpoints.paths["A"]], fault, names // 2
     )
-    trainer.call("refit_state").result(timeout=120)  # started: the deadline is the refit's
+    trainer.call(CollectiveTrainerRole.refit_state).result(
+        timeout=120
+    )  # started: the deadline is the refit's
     generation = _generation(engine, staged=staged)
     synchronizer = CollectiveWeightSynchronizer(
         [trainer],

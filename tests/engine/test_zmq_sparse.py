@@ -153,6 +153,7 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
     checkpoints: Checkpoints,
     fault: str,
 ) -> None:
+    from refit_zmq.relay import ShardProducerRole
     from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
     names = len(checkpoints.tensors["B'"])
@@ -167,7 +168,9 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
         on_commit=generation.refit_committed,
     )
     try:
-        producer.call("refit_close").result(timeout=120)  # started: the deadline is the refit's
+        producer.call(ShardProducerRole.refit_close).result(
+            timeout=120
+        )  # started: the deadline is the refit's
         child.sync_weights(engine.next_version())
         served = engine.llm.llm_engine.get_weight_version()
         with pytest.raises(RefitError):

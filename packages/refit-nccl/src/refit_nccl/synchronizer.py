@@ -401,7 +401,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self,
         deadline: Deadline,
         *,
-        silent: Collection[Participant] = (),
+        silent: Collection[Participant[Any]] = (),
         wait_s: float | None = None,
     ) -> FleetStatus:
         """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
@@ -409,7 +409,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
         silent_keys = {p.key for p in silent}
         gathered = gather(
-            {w: w.call("refit_status") for _, w in workers if w.key not in silent_keys},
+            {
+                w: w.call(CollectiveEngineRole.refit_status)
+                for _, w in workers
+                if w.key not in silent_keys
+            },
             limit if wait_s is None else min(limit, wait_s),
         )
         gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
@@ -491,7 +495,7 @@ def _require_one_digest(gathered: Gathered) -> str:
     return next(iter(by_digest))
 
 
-def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | None]]:
+def _culprits(gathered: Gathered) -> list[tuple[Participant[Any], BaseException | None]]:
     """Who failed, the likely root cause first: a participant's own failure (a dead actor,
     a refused geometry), then the silent ones (frozen or wedged), then the peers that only
     timed out or were aborted because of them."""
@@ -505,7 +509,7 @@ def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | Non
             return 3
         return 2 if isinstance(error, RefitError) else 0
 
-    failed: list[tuple[Participant, BaseException | None]] = [
+    failed: list[tuple[Participant[Any], BaseException | None]] = [
         *gathered.errors.items(),
         *((p, None) for p in gathered.missing),
     ]
@@ -519,7 +523,9 @@ def _one_line(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _engine_status(shard: int, worker: Participant, gathered: Gathered) -> EngineStatus:
+def _engine_status(
+    shard: int, worker: Participant[CollectiveEngineRole], gathered: Gathered
+) -> EngineStatus:
     label = worker.label
     if worker in gathered.missing or worker in gathered.errors:
         detail = _one_line(gathered.errors.get(worker))

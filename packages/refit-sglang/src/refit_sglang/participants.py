@@ -29,7 +29,7 @@ from refit_core.backend import (
     in_thread,
     method_name,
 )
-from refit_nccl import CollectiveEngineRole
+from refit_nccl import CollectiveEngineRole, EngineStatus
 from refit_nccl.backend import DeviceReport, JoinRequest, TransferStats
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import LIFECYCLE_ROUTES, PauseMode, flush_caches, paused
@@ -119,6 +119,14 @@ class SGLangRankEndpoint(CollectiveEngineRole):
     def refit_commit(self, version: int) -> int:
         """Nothing to do: the last bucket carried the version and the cache was flushed."""
         return version
+
+    def refit_status(self) -> EngineStatus:
+        """Not known here: SGLang reports no refit state of its own.
+
+        Raises:
+            NotImplementedError: always (the fleet status names the engine unreachable).
+        """
+        raise NotImplementedError("an SGLang engine has no refit_status")
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> DistributedPlan:
         if geometry != self._geometry:
