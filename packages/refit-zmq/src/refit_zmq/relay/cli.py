@@ -17,10 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit_core import RefitError
-from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
-from refit_zmq.relay.launch import RelayProcess, parse_shapes, random_state, read_safetensors
-from refit_zmq.relay.wire.auth import api_key_from_env
-from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["main", "register"]
@@ -48,6 +44,8 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from refit_zmq.relay.launch import RelayProcess, parse_shapes, random_state, read_safetensors
+
     if args.shapes is not None:
         tensors = random_state(parse_shapes(args.shapes), args.seed)
     else:
@@ -70,6 +68,10 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
+    from refit_zmq.relay.wire.auth import api_key_from_env
+    from refit_zmq.relay.wire.curve import CurveConfig
+
     coordinator = RelayCoordinator(
         api_key=api_key_from_env(args.api_key_env),
         timeout_s=args.timeout_s,
