@@ -26,12 +26,10 @@ from refit_nccl import (
     CollectiveOptions,
     CollectiveWeightSynchronizer,
     DeviceMismatchError,
-    DeviceReport,
     EngineEndpoint,
     TrainerEndpoint,
-    VllmPeerTrainer,
-    choose_backend,
 )
+from refit_nccl.backend import DeviceReport, VllmPeerTrainer, choose_backend
 from refit_nccl.devices import DeviceType, local_device
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.vllm_native.engine import VllmNativeGeneration
