@@ -15,17 +15,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from refit_core.errors import WorkerError
-from refit_core.participants import Participant
+from refit_core import NamedTensor, StateDictInfo, WorkerError
+from refit_core.backend import Participant
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, StateDictInfo
 
 SIGNALS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
 
@@ -78,7 +77,7 @@ class FaultingPolicy:
 
 def collective_trainer(paths: Sequence[str], fault: str | None, after: int) -> Any:
     """Trainer rank 0 of a collective refit."""
-    from refit_nccl.endpoint import TrainerEndpoint
+    from refit_nccl import TrainerEndpoint
 
     return TrainerEndpoint(FaultingPolicy(paths, fault, after))
 
@@ -104,7 +103,7 @@ class IpcTrainer:
         buffer_size_bytes: int,
         corrupt_bucket: int | None,
     ) -> None:
-        from refit_zmq.ipc.synchronizer import IpcOptions, IpcWeightSynchronizer
+        from refit_zmq.ipc import IpcOptions, IpcWeightSynchronizer
 
         if corrupt_bucket is not None:
             _corrupt_bucket_message(corrupt_bucket)
@@ -130,7 +129,7 @@ def ipc_trainer(paths: Sequence[str], fault: str | None, after: int, *rest: Any)
 def _corrupt_bucket_message(nth: int) -> None:
     """Make the ``nth`` bucket message this process sends name a tensor that does not exist
     (the receivers refuse it after loading the buckets before it)."""
-    from refit_zmq.ipc.links import WorkerLinks
+    from refit_zmq.ipc import WorkerLinks
 
     send = WorkerLinks.send
     seen = [0]
@@ -167,7 +166,7 @@ def _serve(connection: Connection, factory: Any, args: tuple[Any, ...]) -> None:
         threading.Thread(target=run, args=(call_id, method, call_args), daemon=True).start()
 
 
-class ChildParticipant(Participant):
+class ChildParticipant(Participant[Any]):
     """An endpoint ``factory(*args)`` in a spawned process; a call fails with WorkerError once
     the process is gone."""
 
@@ -189,7 +188,9 @@ class ChildParticipant(Participant):
     def key(self) -> Hashable:
         return self.process.pid
 
-    def call(self, method: str, *args: object) -> Future[Any]:
+    def _start(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Future[Any]:
+        if kwargs:
+            raise TypeError(f"{method}: calls to a child process take positional arguments")
         future: Future[Any] = Future()
         with self._lock:
             self._next += 1

@@ -17,8 +17,12 @@ from child_trainer import ChildParticipant, collective_trainer
 from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
 from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import GeometryMismatchError, RefitError, create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core import (
+    GeometryMismatchError,
+    RefitError,
+    WeightSynchronizer,
+    create_weight_synchronizer,
+)
 from refit_lab.ray_cluster import LocalCluster
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -63,13 +67,15 @@ def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool
 
 def _failing(engine: Engine, checkpoints: Checkpoints, fault: str, *, staged: bool) -> RefitError:
     """A refit to A whose trainer process faults itself half-way through its tensors."""
-    from refit_nccl.synchronizer import CollectiveWeightSynchronizer
+    from refit_nccl import CollectiveTrainerRole, CollectiveWeightSynchronizer
 
     names = len(checkpoints.tensors["A"])
     trainer = ChildParticipant(
         "trainer 0", collective_trainer, [checkpoints.paths["A"]], fault, names // 2
     )
-    trainer.call("refit_state").result(timeout=120)  # started: the deadline is the refit's
+    trainer.call(CollectiveTrainerRole.refit_state).result(
+        timeout=120
+    )  # started: the deadline is the refit's
     generation = _generation(engine, staged=staged)
     synchronizer = CollectiveWeightSynchronizer(
         [trainer],

@@ -82,7 +82,7 @@ def test_the_lab_receiver_parses_as_vllm_does() -> None:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from refit_lab.dynamo_lab import engine_client
+    import refit_lab.dynamo_lab.engine_client as engine_client
 
     fields = {f.name: f.default for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
     assert set(fields) == set(engine_client._INIT_FIELDS)

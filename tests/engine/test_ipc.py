@@ -14,12 +14,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from child_trainer import ChildParticipant, ipc_trainer
+from child_trainer import ChildParticipant, IpcTrainer, ipc_trainer
 from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
 from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import GeometryMismatchError, RefitError, create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core import (
+    GeometryMismatchError,
+    RefitError,
+    WeightSynchronizer,
+    create_weight_synchronizer,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -82,9 +86,9 @@ def _failing(
         "trainer", ipc_trainer, [checkpoints.paths["A"]], fault, names // 2, *arguments
     )
     try:
-        trainer.call("refit_ready").result(timeout=120)
+        trainer.call(IpcTrainer.refit_ready).result(timeout=120)
         generation.refit_started(version, DEADLINE_S)
-        outcome = trainer.call("refit_sync", version)
+        outcome = trainer.call(IpcTrainer.refit_sync, version)
         with pytest.raises(RefitError) as failed:
             generation.refit_finished(version, committed=False)
         assert not outcome.done() or outcome.exception() is not None, "the trainer never committed"

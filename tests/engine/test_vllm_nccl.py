@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 import torch
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, TensorSpec
+from refit_core import GeometryMismatchError, TensorSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_lab.ray_cluster import free_port
-from refit_nccl import TransferPlan
+from refit_nccl.backend import TransferPlan
 from refit_nccl.vllm_native import nccl_init_info, nccl_update_info
 
 pytestmark = pytest.mark.engine

@@ -26,13 +26,11 @@ from typing import Any
 import pytest
 import torch
 
-from refit_core import (
-    CollectiveSenderSpec,
-    create_weight_synchronizer,
-)
+from refit_core import create_weight_synchronizer
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.ray_cluster import LocalCluster, free_port
-from refit_nccl import GroupSpec, JoinRequest, TransferPlan, VllmPeerTrainer
+from refit_nccl.backend import GroupSpec, JoinRequest, TransferPlan, VllmPeerTrainer
 
 pytestmark = [pytest.mark.engine, pytest.mark.gpu]
 

@@ -23,11 +23,16 @@ from vllm_peer_ranks import (
     vllm_receiver,
 )
 
-from refit_core import CollectiveSenderSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.ray_cluster import free_port
-from refit_nccl import GroupSpec, JoinRequest, TransferPlan, VllmPeerTrainer
-from refit_nccl.geometry import installed_vllm_geometry
+from refit_nccl.backend import (
+    GroupSpec,
+    JoinRequest,
+    TransferPlan,
+    VllmPeerTrainer,
+    installed_vllm_geometry,
+)
 
 pytestmark = pytest.mark.engine
 

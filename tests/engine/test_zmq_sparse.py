@@ -15,8 +15,7 @@ import pytest
 from child_trainer import ChildParticipant, sparse_producer
 from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
 
-from refit_core import RefitError, create_weight_synchronizer
-from refit_core.synchronizer import WeightSynchronizer
+from refit_core import RefitError, WeightSynchronizer, create_weight_synchronizer
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
@@ -154,6 +153,7 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
     checkpoints: Checkpoints,
     fault: str,
 ) -> None:
+    from refit_zmq.relay import ShardProducerRole
     from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
     names = len(checkpoints.tensors["B'"])
@@ -168,7 +168,9 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
         on_commit=generation.refit_committed,
     )
     try:
-        producer.call("refit_close").result(timeout=120)  # started: the deadline is the refit's
+        producer.call(ShardProducerRole.refit_close).result(
+            timeout=120
+        )  # started: the deadline is the refit's
         child.sync_weights(engine.next_version())
         served = engine.llm.llm_engine.get_weight_version()
         with pytest.raises(RefitError):

@@ -62,8 +62,8 @@ def _send(deltas: Any, payloads: Iterator[Any], transfer_id: str) -> int:
 
 
 def _case(paths: Mapping[str, str], tp: int) -> dict[str, Any]:
-    from refit_core.checkpoint import checkpoint_specs
-    from refit_core.types import TensorSpec, WeightVersion
+    from refit_core import TensorSpec, WeightVersion
+    from refit_core.backend import checkpoint_specs
     from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
     from refit_zmq.vllm.delta_receiver import StagedDeltas
     from refit_zmq.vllm.targets import CheckpointTargets, plan_targets

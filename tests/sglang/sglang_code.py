@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_sglang import validate_request
-from refit_sglang.protocol import TOKENIZER_CALLS
+from refit_sglang.protocol import TOKENIZER_CALLS, validate_request
 from sglang_standin import serve
 
 _INSPECT = "_test/"

@@ -19,7 +19,8 @@ from refit_core import WeightSynchronizer, create_weight_synchronizer
 from refit_lab.conformance import RefitDeployment, SynchronizerConformance
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
-from refit_sglang import SharedBuffers, iter_buckets
+from refit_sglang.buckets import iter_buckets
+from refit_sglang.handles import SharedBuffers
 from refit_sglang.protocol import REFIT_FIELDS
 
 pytestmark = pytest.mark.timeout(START_S + 300)

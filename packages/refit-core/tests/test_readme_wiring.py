@@ -83,9 +83,9 @@ def test_the_fsdp_policy_splits_the_fused_model_into_the_engines_checkpoint() ->
 
 def test_megatron_policy_streams_hf_names_on_one_rank() -> None:
     pytest.importorskip("refit_nccl.megatron")
-    from refit_core import Deadline
+    from refit_core.backend import Deadline
     from refit_lab.ray_cluster import free_port
-    from refit_nccl.group import AbortableProcessGroup, GroupSpec
+    from refit_nccl.backend import AbortableProcessGroup, GroupSpec
     from refit_nccl.megatron import GPTConfig, Parallelism, gpt_layouts
 
     config = GPTConfig(layers=2, hidden=16, heads=4, query_groups=2, ffn=24, vocab=32, itemsize=4)

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from refit_core import (
-    Deadline,
     Recovery,
     RefitError,
     RefitResult,
@@ -16,6 +15,7 @@ from refit_core import (
     SynchronizerClosedError,
     WeightSynchronizer,
 )
+from refit_core.backend import Deadline
 from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
 
 

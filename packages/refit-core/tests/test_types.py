@@ -9,8 +9,6 @@ import pytest
 
 from refit_core import (
     BackendNotInstalledError,
-    CollectiveSenderSpec,
-    Deadline,
     EngineReport,
     EngineState,
     Recovery,
@@ -24,6 +22,7 @@ from refit_core import (
     WorkerError,
     WorkerOutcome,
 )
+from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_core.types import dtype_name
 
 

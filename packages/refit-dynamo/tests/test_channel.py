@@ -8,13 +8,8 @@ import types
 
 import pytest
 
-from refit_core import (
-    CollectiveSenderSpec,
-    GeometryMismatchError,
-    Recovery,
-    RefitTimeoutError,
-    TensorSpec,
-)
+from refit_core import GeometryMismatchError, Recovery, RefitTimeoutError, TensorSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_dynamo import (
     VLLM_SENDER_SPEC,
     DynamoRefitChannel,

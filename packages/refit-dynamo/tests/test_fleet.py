@@ -31,8 +31,7 @@ from refit_lab.dynamo_lab.fleet import DEFAULT_MODEL, Worker, bare_worker, dynam
 from refit_lab.ray_cluster import LocalCluster, free_port, local_ray
 from refit_lab.reference_engine import random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
-from refit_nccl import GroupSpec, JoinRequest
-from refit_nccl.vllm_peer import VllmPeerTrainer
+from refit_nccl.backend import GroupSpec, JoinRequest, VllmPeerTrainer
 
 pytestmark = pytest.mark.timeout(120)
 

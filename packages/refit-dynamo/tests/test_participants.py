@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from refit_core import (
-    CollectiveSenderSpec,
-    GeometryMismatchError,
-    TensorSpec,
-    create_weight_synchronizer,
-)
+from refit_core import GeometryMismatchError, TensorSpec, create_weight_synchronizer
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_dynamo import DynamoRefitChannel, DynamoWorkerEndpoint, FleetChangedError
 from refit_dynamo.participants import dynamo_shards
 from refit_lab.ray_cluster import LocalCluster
-from refit_nccl import DeviceMismatchError, DeviceReport, GroupSpec, JoinRequest, TransferPlan
+from refit_nccl import CollectiveEngineRole as Engine
+from refit_nccl import DeviceMismatchError
+from refit_nccl.backend import DeviceReport, GroupSpec, JoinRequest, TransferPlan
 
 WORKERS = [DynamoWorkerEndpoint(f"w{i}", f"http://127.0.0.1:{9100 + i}") for i in range(2)]
+WAIT_S = 10.0
+"""Bound of a call that answers without touching a worker (it runs on a thread of its own)."""
 STATE = (("a.weight", TensorSpec((4, 4), "bfloat16")), ("b.weight", TensorSpec((3,), "float32")))
 
 
@@ -49,18 +49,17 @@ def test_followers_answer_at_once_and_geometry_is_checked() -> None:
     leader, follower = dynamo_shards(ch)[0]
     spec = ch.sender_spec
     digest = TransferPlan.build(dict(STATE), spec).digest
-    assert follower.call("refit_geometry").result(0) == spec
-    assert follower.call("refit_join", request(spec)).result(0) == digest
-    assert follower.call("refit_transfer", 1, 5.0).result(0).dense_bytes == 4 * 4 * 2 + 3 * 4
-    assert follower.call("refit_commit", 1).result(0) == 1
+    assert follower.call(Engine.refit_geometry).result(WAIT_S) == spec
+    assert follower.call(Engine.refit_join, request(spec)).result(WAIT_S) == digest
+    transferred = follower.call(Engine.refit_transfer, 1, 5.0).result(WAIT_S)
+    assert transferred.dense_bytes == 4 * 4 * 2 + 3 * 4
+    assert follower.call(Engine.refit_commit, 1).result(WAIT_S) == 1
     other = CollectiveSenderSpec("vllm", 1 << 20, 2)
     with pytest.raises(GeometryMismatchError):
-        leader.call("refit_join", request(other)).result(0)
-    assert leader.call("refit_abort", "test", "g").result(0) is None
-    with pytest.raises(NotImplementedError):
-        leader.call("refit_state").result(0)
+        leader.call(Engine.refit_join, request(other)).result(WAIT_S)
+    assert leader.call(Engine.refit_abort, "test", "g").result(WAIT_S) is None
     with pytest.raises(RuntimeError, match="before refit_join"):
-        leader.call("refit_transfer", 1, 5.0).result(0)
+        leader.call(Engine.refit_transfer, 1, 5.0).result(WAIT_S)
 
 
 class Policy:
@@ -99,11 +98,33 @@ def test_factory_row_validates_its_arguments() -> None:
     assert type(synchronizer).__name__ == "CollectiveWeightSynchronizer"
 
 
+class MeetingPoint:
+    """A train_cluster with only the rendezvous method the row calls."""
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        return "127.0.0.1", 29512
+
+
+def test_the_row_asks_train_cluster_for_a_rendezvous_only() -> None:
+    synchronizer = create_weight_synchronizer(
+        Policy(), channel(), "dynamo", False, train_cluster=MeetingPoint()
+    )
+    assert type(synchronizer).__name__ == "CollectiveWeightSynchronizer"
+    with pytest.raises(ValueError, match="needs train_cluster"):
+        create_weight_synchronizer(Policy(), channel(), "dynamo", False)
+    with pytest.raises(ValueError, match="dynamo.non-colocated.collective takes no options"):
+        build(channel(), options=object())
+
+
 def test_workers_report_the_channels_device() -> None:
     cuda_ranks = dynamo_shards(channel())[0]
-    assert [p.call("refit_device").result(0) for p in cuda_ranks] == [DeviceReport.only("cuda")] * 2
+    assert [p.call(Engine.refit_device).result(WAIT_S) for p in cuda_ranks] == [
+        DeviceReport.only("cuda")
+    ] * 2
     cpu = DynamoRefitChannel(WORKERS, engine_world_size=1, control_timeout_s=5.0, device="cpu")
-    assert dynamo_shards(cpu)[1][0].call("refit_device").result(0) == DeviceReport.only("cpu")
+    assert dynamo_shards(cpu)[1][0].call(Engine.refit_device).result(WAIT_S) == DeviceReport.only(
+        "cpu"
+    )
 
 
 def test_cuda_workers_and_a_cpu_trainer_are_refused_before_any_admin_call() -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from refit_core import Deadline, RefitResult, WeightSynchronizer, WorkerOutcome
+from refit_core import RefitResult, WeightSynchronizer, WorkerOutcome
+from refit_core.backend import Deadline
 from refit_lab.conformance import (
     RefitDeployment,
     SynchronizerConformance,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from refit_core.protocols import ClusterLike
+from refit_core.backend import ClusterLike
 from refit_lab.ray_cluster import LocalCluster, free_port
 
 

@@ -16,7 +16,7 @@ import torch
 from megatron_model import CONFIG, megatron_shard, natural_state
 from megatron_workers import SEED, reshard_plan
 from nccl_workers import SETUP_S, connect
-from refit_core import Deadline
+from refit_core.backend import Deadline
 from refit_nccl.megatron.executor import execute_reshard
 from refit_nccl.megatron.gpt import Parallelism
 

@@ -16,12 +16,14 @@ import torch
 
 from megatron_model import CONFIG, MOE, Natural, megatron_shard, natural_state
 from nccl_workers import SETUP_S, Report, bitwise_differences, connect
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, RefitError
+from refit_core import GeometryMismatchError, RefitError
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_nccl.endpoint import EngineEndpoint, JoinRequest, TrainerEndpoint
+from refit_nccl.endpoint import EngineEndpoint, TrainerEndpoint
 from refit_nccl.group import GroupSpec
 from refit_nccl.megatron import GPTConfig, MegatronSource, Parallelism
+from refit_nccl.roles import JoinRequest
 
 SEED = 5
 GEOMETRY = CollectiveSenderSpec("refit", 1 << 20, 2)

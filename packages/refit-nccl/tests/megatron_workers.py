@@ -12,7 +12,7 @@ import torch
 
 from megatron_model import CONFIG, FixedCluster, Side, megatron_shard, natural_state
 from nccl_workers import SETUP_S, Report, connect
-from refit_core import Deadline, SynchronizerRequest
+from refit_core.backend import Deadline, SynchronizerRequest
 from refit_lab.faults import fault_self
 from refit_nccl.megatron.builder import build_collective_reshard
 from refit_nccl.megatron.executor import execute_reshard

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from refit_core import CollectiveSenderSpec, Deadline, RefitError, TensorSpec
+from refit_core import RefitError, TensorSpec
+from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.faults import ProcessGang, fault_self
 from refit_lab.ray_cluster import free_port
 from refit_nccl.backends import Backend

@@ -9,7 +9,7 @@ from typing import Any
 import ray
 import torch
 
-from refit_core import CollectiveSenderSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.digest import state_digest
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nccl_workers import MiB, bitwise_differences, info_of, mixed_state
-from refit_core import CollectiveSenderSpec, Deadline, ProtocolError, RefitTimeoutError
+from refit_core import ProtocolError, RefitTimeoutError
+from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.ray_cluster import free_port
 from refit_nccl.broadcast import receive_packed, send_packed
 from refit_nccl.group import AbortableProcessGroup, GroupSpec

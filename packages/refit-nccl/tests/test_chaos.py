@@ -18,13 +18,8 @@ from typing import Any
 
 import pytest
 
-from refit_core import (
-    CollectiveSenderSpec,
-    EngineHealth,
-    Recovery,
-    RefitError,
-    create_weight_synchronizer,
-)
+from refit_core import EngineHealth, Recovery, RefitError, create_weight_synchronizer
+from refit_core.backend import CollectiveSenderSpec
 from refit_lab.digest import state_digest
 from refit_lab.faults import freeze, kill, thaw
 from refit_lab.ray_cluster import LocalCluster, local_ray

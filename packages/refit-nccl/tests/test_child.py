@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nccl_workers import RELEASE_SLACK_S, Report, by_event, launch_child_session
-from refit_core import Deadline, RefitAbortedError, RefitTimeoutError
+from refit_core import RefitAbortedError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_lab.faults import ProcessGang
 from refit_lab.ray_cluster import free_port
 from refit_nccl.child import ChildProcessGroup

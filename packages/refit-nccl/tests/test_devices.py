@@ -16,13 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from refit_core import (
-    BackendNotInstalledError,
-    CollectiveSenderSpec,
-    Deadline,
-    GeometryMismatchError,
-)
-from refit_core.participants import LocalParticipant, Participant
+from refit_core import BackendNotInstalledError, Deadline, GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_lab.ray_cluster import free_port
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
@@ -31,12 +26,10 @@ from refit_nccl import (
     CollectiveOptions,
     CollectiveWeightSynchronizer,
     DeviceMismatchError,
-    DeviceReport,
     EngineEndpoint,
     TrainerEndpoint,
-    VllmPeerTrainer,
-    choose_backend,
 )
+from refit_nccl.backend import DeviceReport, VllmPeerTrainer, choose_backend
 from refit_nccl.devices import DeviceType, local_device
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.vllm_native.engine import VllmNativeGeneration

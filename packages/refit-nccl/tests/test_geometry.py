@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec
 from refit_nccl.geometry import (
     VLLM_DOCUMENTED_GEOMETRY,
     installed_vllm_geometry,

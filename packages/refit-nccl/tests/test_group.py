@@ -12,13 +12,8 @@ import socket
 import pytest
 import torch
 
-from refit_core import (
-    BackendNotInstalledError,
-    Deadline,
-    RefitAbortedError,
-    RefitError,
-    RefitTimeoutError,
-)
+from refit_core import BackendNotInstalledError, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_lab.ray_cluster import free_port
 from refit_nccl.backends import traits_for, traits_of
 from refit_nccl.group import AbortableProcessGroup, GroupSpec

@@ -162,10 +162,12 @@ def test_the_source_is_a_sharded_weight_source_and_refuses_bad_arguments() -> No
 
 
 def test_a_non_sending_trainer_rank_of_a_sharded_source_is_refused_before_joining() -> None:
-    from refit_core import CollectiveSenderSpec, GeometryMismatchError
-    from refit_nccl.endpoint import JoinRequest, TrainerEndpoint
+    from refit_core import GeometryMismatchError
+    from refit_core.backend import CollectiveSenderSpec
+    from refit_nccl.endpoint import TrainerEndpoint
     from refit_nccl.group import AbortableProcessGroup, GroupSpec
     from refit_nccl.megatron import MegatronSource, Parallelism
+    from refit_nccl.roles import JoinRequest
 
     group = AbortableProcessGroup(GroupSpec("127.0.0.1", 1, 0, 1))
     source = MegatronSource(CONFIG, Parallelism(), dict, group)

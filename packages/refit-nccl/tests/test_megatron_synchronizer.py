@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from megatron_model import CONFIG, Side, megatron_shard, natural_state
-from refit_core import SynchronizerRequest, create_weight_synchronizer
+from refit_core import create_weight_synchronizer
+from refit_core.backend import SynchronizerRequest
 from refit_nccl.megatron import (
     MegatronWeightSynchronizer,
     Parallelism,
@@ -32,9 +34,21 @@ def sides(src: Parallelism, dst: Parallelism, rank: int | None = 0) -> tuple[Sid
 
 
 def test_entry_points_name_the_megatron_builders() -> None:
-    rows = {ep.name: ep for ep in entry_points(group="refit.backends")}
-    assert rows["megatron.colocated.reshard"].load() is build_colocated_reshard
-    assert rows["megatron.non-colocated.collective"].load() is build_collective_reshard
+    rows = {ep.name: ep.load() for ep in entry_points(group="refit.backends")}
+    colocated = rows["megatron.colocated.reshard"]
+    collective = rows["megatron.non-colocated.collective"]
+
+    def builder(reference: str) -> object:
+        module, _, name = reference.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    assert builder(colocated.builder) is build_colocated_reshard
+    assert builder(collective.builder) is build_collective_reshard
+    assert colocated.default and collective.default
+    assert (colocated.train_cluster, collective.train_cluster) == (
+        (),
+        ("get_master_address_and_port",),
+    )
 
 
 def test_colocated_matching_layouts_alias_and_need_no_group() -> None:

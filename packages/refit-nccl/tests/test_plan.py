@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, TensorSpec
+from refit_core import GeometryMismatchError, TensorSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_nccl.plan import ALIGN_BYTES, TransferPlan, torch_dtype
 
 MiB = 1024 * 1024

@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from refit_core import (
-    CollectiveSenderSpec,
     EngineHealth,
     EngineState,
     GeometryMismatchError,
@@ -20,6 +20,7 @@ from refit_core import (
     RefitTimeoutError,
     create_weight_synchronizer,
 )
+from refit_core.backend import ActorParticipant, CollectiveSenderSpec, LocalParticipant
 from refit_lab.conformance import (
     FleetDeployment,
     RefitDeployment,
@@ -31,14 +32,8 @@ from refit_lab.faults import freeze, kill, thaw
 from refit_lab.ray_cluster import LocalCluster, local_ray
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
-from refit_nccl import (
-    ActorParticipant,
-    ChildProcessGroup,
-    CollectiveOptions,
-    CollectiveWeightSynchronizer,
-    LocalParticipant,
-    TrainerEndpoint,
-)
+from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, TrainerEndpoint
+from refit_nccl.backend import ChildProcessGroup
 
 # Ray is a test tool of the dev group, not a refit-nccl dependency: an environment holding only
 # refit-nccl (scripts/test-isolated) skips these Ray-driven tests.
@@ -185,6 +180,45 @@ def test_buffer_size_that_engines_did_not_declare_is_refused(fleet: Any) -> None
     synchronizer = make_synchronizer(trainer, fleet, buffer_gb=0.5)
     with synchronizer, pytest.raises(GeometryMismatchError, match="refit_buffer_size_gb"):
         synchronizer.init_communicator()
+
+
+class MeetingPoint:
+    """A train_cluster with only the rendezvous method the collective row calls."""
+
+    def __init__(self) -> None:
+        self._cluster = LocalCluster(1)
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        return self._cluster.get_master_address_and_port()
+
+
+@dataclass(frozen=True)
+class OtherOptions:
+    buffer_size_bytes: int | None = None
+
+
+@pytest.mark.timeout(120)
+def test_options_and_a_rendezvous_only_cluster_through_the_factory(fleet: Any) -> None:
+    fleet.reset(seed=450)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4))
+
+    def build(options: object, **kwargs: Any) -> Any:
+        return create_weight_synchronizer(
+            trainer, fleet, "vllm", False, train_cluster=MeetingPoint(), refit_timeout_s=30.0,
+            options=options, **kwargs,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="must be CollectiveOptions"):
+        build(OtherOptions())
+    with pytest.raises(ValueError, match="disagree"):
+        build(CollectiveOptions(buffer_size_bytes=MiB // 2), refit_buffer_size_gb=1.0)
+    refused = build(CollectiveOptions(buffer_size_bytes=MiB // 2))
+    with refused, pytest.raises(GeometryMismatchError, match="options.buffer_size_bytes"):
+        refused.init_communicator()
+    accepted = build(CollectiveOptions(buffer_size_bytes=MiB, grace_s=2.0))
+    with accepted:
+        assert accepted.sync_weights().version == 1
+        assert digests_match(fleet, trainer) == [True, True]
 
 
 @pytest.mark.timeout(120)

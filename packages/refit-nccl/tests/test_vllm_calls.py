@@ -7,13 +7,13 @@ import pickle
 import pytest
 
 from refit_core import (
-    CollectiveSenderSpec,
     GeometryMismatchError,
     ProtocolError,
     Recovery,
     RefitTimeoutError,
     WorkerError,
 )
+from refit_core.backend import CollectiveSenderSpec
 from refit_nccl.vllm.calls import decode_call, decode_reply, encode_call, encode_reply
 
 

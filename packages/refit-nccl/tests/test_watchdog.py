@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from refit_core import Deadline
+from refit_core.backend import Deadline
 from refit_nccl.watchdog import Watchdog
 
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from refit_core import Deadline
+from refit_core.backend import Deadline
 from refit_lab.conformance import RefitDeployment
 from refit_lab.faults import fault_self
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_nccl import AbortableProcessGroup, GroupSpec
-from refit_sglang import validate_request
+from refit_nccl.backend import AbortableProcessGroup, GroupSpec
+from refit_sglang.protocol import validate_request
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_sglang import FlattenedBucket, SharedBuffers, iter_buckets
+from refit_sglang.buckets import FlattenedBucket, iter_buckets
+from refit_sglang.handles import SharedBuffers
 from refit_sglang.plan import DistributedPlan, sglang_geometry
 
 MIXED = [

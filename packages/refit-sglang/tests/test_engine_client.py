@@ -12,12 +12,8 @@ import pytest
 from refit_core import BackendNotInstalledError, WorkerError
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
-from refit_sglang import (
-    ColocatedSGLangSynchronizer,
-    EngineClient,
-    UnsupportedEngineError,
-    clients_for,
-)
+from refit_sglang import ColocatedSGLangSynchronizer, EngineClient, UnsupportedEngineError
+from refit_sglang.clients import clients_for
 from refit_sglang.colocated import ROUTES as COLOCATED_ROUTES
 from refit_sglang.participants import ROUTES as DISAGGREGATED_ROUTES
 from sglang_engine_standin import IO_STRUCT, StandInEngine, StandInTokenizerManager

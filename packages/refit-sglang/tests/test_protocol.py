@@ -6,9 +6,12 @@ import pytest
 
 from refit_core import WorkerError
 from refit_lab.reference_engine import ReferenceModelConfig
-from refit_nccl import DeviceReport
-from refit_sglang import HttpClient, RequestSchemaError, check_pause_mode, validate_request
+from refit_nccl import CollectiveEngineRole
+from refit_nccl.backend import DeviceReport
+from refit_sglang import HttpClient
+from refit_sglang.lifecycle import check_pause_mode
 from refit_sglang.participants import EngineSettings, sglang_shards
+from refit_sglang.protocol import RequestSchemaError, validate_request
 from sglang_standin import StandInSGLang, serve
 
 INIT = {
@@ -76,7 +79,7 @@ def test_stand_in_refuses_a_misspelt_field() -> None:
             assert client.tp_size == 1 and client.device == "cpu"
             settings = EngineSettings(1 << 20, "abort", 5.0)
             (rank,) = sglang_shards([client], settings)[0]
-            assert rank.call("refit_device").result(10) == DeviceReport.of("cpu")
+            assert rank.call(CollectiveEngineRole.refit_device).result(10) == DeviceReport.of("cpu")
         finally:
             client.close()
 

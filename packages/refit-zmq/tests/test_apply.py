@@ -7,8 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from refit_core.errors import GeometryMismatchError, StaleBaseError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import GeometryMismatchError, StaleBaseError, TensorSpec, WeightVersion
 from refit_lab.digest import tensor_digest as trainer_digest
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload, tensor_digest
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig

@@ -11,8 +11,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError, StaleBaseError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import (
+    ChecksumMismatchError,
+    ProtocolError,
+    StaleBaseError,
+    TensorSpec,
+    WeightVersion,
+)
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload, tensor_digest
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 

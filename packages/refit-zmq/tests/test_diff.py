@@ -80,7 +80,7 @@ def test_bit_patterns_that_compare_equal_as_values_are_changes(dtype: torch.dtyp
     base = torch.tensor([0.0, float("nan"), 1.0, 2.0, 0.0, 0.0, 0.0, 0.0], dtype=dtype)
     new = torch.tensor([-0.0, float("nan"), 1.0, 2.0, 0.0, 0.0, 0.0, 0.0], dtype=dtype)
     new_bits = flat_bits(new)
-    new_bits[1] ^= 1  # another NaN payload: both NaN as values, different bits
+    new_bits[1] ^= new_bits.dtype.type(1)  # another NaN payload: NaN as values, other bits
     indices, values = _run(flat_bits(base), new_bits, word=8, start=0)
     assert indices.tolist() == [0, 1]
     assert np.array_equal(values, new_bits[:2])

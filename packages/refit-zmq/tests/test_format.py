@@ -10,8 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import ChecksumMismatchError, ProtocolError, TensorSpec, WeightVersion
 from refit_zmq.codec import BufferCodec, DeltaPayload, Encoding, decode_payload
 from refit_zmq.codec.buffers import pack_buffer, unpack_buffer
 from refit_zmq.codec.format import MAGIC, ItemHeader, StoredBuffer, build_payload

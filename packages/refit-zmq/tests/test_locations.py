@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from refit_core.errors import ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ProtocolError, WeightVersion
 from refit_zmq.codec.format import Encoding, ItemHeader
 from refit_zmq.codec.locations import LocationPlan, decode_locations, encode_locations
 

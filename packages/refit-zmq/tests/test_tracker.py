@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_core.errors import GeometryMismatchError
+from refit_core import GeometryMismatchError, NamedTensor, TensorSpec, WeightVersion
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, TensorSpec, WeightVersion
 from refit_zmq.codec import UndoLog, apply_payload
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig, plan_items, shard_items
 

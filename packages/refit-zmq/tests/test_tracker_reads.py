@@ -16,8 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refit_core.errors import GeometryMismatchError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import GeometryMismatchError, TensorSpec, WeightVersion
 from refit_zmq.codec import DeltaPayload, Encoding, UndoLog, apply_payload
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig, shard_items
 

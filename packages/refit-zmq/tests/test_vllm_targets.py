@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from refit_core.errors import ProtocolError, RefitError, StaleBaseError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import ProtocolError, RefitError, StaleBaseError, TensorSpec, WeightVersion
 from refit_zmq.relay import StaleTransferError, TransferConflictError
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 from refit_zmq.vllm.delta_receiver import StagedDeltas

@@ -1,8 +1,12 @@
 """refit-core: the tiny interface package of refit.
 
-Importing it loads no torch, zmq, ray, numpy or HTTP library; backends are found through the
-``refit.backends`` entry points and imported on first use.
+This module is the user API: the factory, the synchronizer it returns, the errors it raises
+and the value types it takes and gives. Backend authors find the rest of what they may use in
+:mod:`refit_core.backend`. Importing either loads no torch, zmq, ray, numpy or HTTP library;
+backends are found through the ``refit.backends`` entry points and imported on first use.
 """
+
+from importlib import metadata
 
 from refit_core.deadline import Deadline
 from refit_core.engine_hooks import RefitHooks
@@ -25,11 +29,9 @@ from refit_core.errors import (
 )
 from refit_core.factory import create_weight_synchronizer
 from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
-from refit_core.registry import SynchronizerRequest
 from refit_core.staging import StagedRefit
 from refit_core.synchronizer import RecoveryReport, WeightSynchronizer
 from refit_core.types import (
-    CollectiveSenderSpec,
     NamedTensor,
     RefitResult,
     ShardInfo,
@@ -39,13 +41,12 @@ from refit_core.types import (
     WorkerOutcome,
 )
 
-__version__ = "0.1.0"
+__version__ = metadata.version("refit-core")
 
 __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
-    "CollectiveSenderSpec",
     "Deadline",
     "EngineHealth",
     "EngineReport",
@@ -67,7 +68,6 @@ __all__ = [
     "StaleBaseError",
     "StateDictInfo",
     "SynchronizerClosedError",
-    "SynchronizerRequest",
     "TensorSpec",
     "VerificationError",
     "WeightSynchronizer",

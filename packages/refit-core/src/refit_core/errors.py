@@ -38,6 +38,7 @@ __all__ = [
     "SynchronizerClosedError",
     "VerificationError",
     "WorkerError",
+    "refit_error_type",
     "with_engines",
 ]
 
@@ -244,6 +245,13 @@ class BackendNotInstalledError(RefitError, ImportError):
     def __init__(self, message: str, *, install_hint: str) -> None:
         super().__init__(f"{message}; install it with: {install_hint}")
         self.install_hint = install_hint
+
+
+def refit_error_type(name: str) -> type[RefitError] | None:
+    """The error class of this tree called ``name`` (for errors that travel by name, as
+    across an engine's RPC), or None."""
+    found = globals().get(name) if name in __all__ else None
+    return found if isinstance(found, type) and issubclass(found, RefitError) else None
 
 
 def with_engines(error: RefitError, reports: Sequence[EngineReport]) -> RefitError:

@@ -10,12 +10,23 @@ from typing import Any, Protocol, runtime_checkable
 
 from refit_core.sources import WeightSource
 
-__all__ = ["ClusterLike", "GenerationLike", "PolicyLike"]
+__all__ = ["ClusterLike", "GenerationLike", "PolicyLike", "RendezvousCluster"]
 
 
 @runtime_checkable
-class ClusterLike(Protocol):
-    """A set of Ray placement groups with a rendezvous address (``train_cluster`` / ``inference_cluster``)."""
+class RendezvousCluster(Protocol):
+    """A cluster that gives a rendezvous address: all a collective row asks of
+    ``train_cluster``."""
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        """Address and a free port on the cluster's first node, for rendezvous."""
+        ...
+
+
+@runtime_checkable
+class ClusterLike(RendezvousCluster, Protocol):
+    """A set of Ray placement groups with a rendezvous address (``train_cluster`` /
+    ``inference_cluster``), for rows that place workers themselves."""
 
     def world_size(self) -> int:
         """Number of ranks (workers) in the cluster."""
@@ -23,10 +34,6 @@ class ClusterLike(Protocol):
 
     def get_placement_groups(self) -> list[Any]:
         """Ray placement groups, one per node or bundle set."""
-        ...
-
-    def get_master_address_and_port(self) -> tuple[str, int]:
-        """Address and a free port on the cluster's first node, for rendezvous."""
         ...
 
 

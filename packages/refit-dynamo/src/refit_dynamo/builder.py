@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from refit_core import SynchronizerRequest
-from refit_core.protocols import ClusterLike, PolicyLike
+from refit_core.backend import LocalParticipant, PolicyLike, RendezvousCluster, SynchronizerRequest
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.participants import dynamo_shards
-from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, LocalParticipant
-from refit_nccl.vllm_peer import VllmPeerTrainer
+from refit_nccl import CollectiveOptions, CollectiveTrainerRole, CollectiveWeightSynchronizer
+from refit_nccl.backend import VllmPeerTrainer
 
 __all__ = ["build_dynamo_synchronizer"]
 
@@ -35,7 +34,7 @@ def build_dynamo_synchronizer(request: SynchronizerRequest) -> CollectiveWeightS
     if not isinstance(request.policy, PolicyLike):
         raise ValueError("policy must provide weight_source()")
     cluster = request.train_cluster
-    if not isinstance(cluster, ClusterLike):
+    if not isinstance(cluster, RendezvousCluster):
         raise ValueError("train_cluster must provide get_master_address_and_port()")
     wanted = request.refit_buffer_size_bytes
     if wanted is not None and wanted != channel.sender_spec.buffer_size_bytes:
@@ -53,7 +52,7 @@ def build_dynamo_synchronizer(request: SynchronizerRequest) -> CollectiveWeightS
             f"refit_timeout_s + {_OPTIONS.grace_s:g} s ({deadline_s + _OPTIONS.grace_s:g} s)"
         )
     return CollectiveWeightSynchronizer(
-        [LocalParticipant(VllmPeerTrainer(request.policy), "trainer 0")],
+        [LocalParticipant[CollectiveTrainerRole](VllmPeerTrainer(request.policy), "trainer 0")],
         lambda: dynamo_shards(channel),
         cluster.get_master_address_and_port,
         refit_timeout_s=request.refit_timeout_s,

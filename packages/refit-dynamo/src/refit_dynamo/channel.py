@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from refit_core import CollectiveSenderSpec, StateDictInfo
+from refit_core import StateDictInfo
+from refit_core.backend import CollectiveSenderSpec
 from refit_dynamo.admin import AdminClient
 from refit_dynamo.endpoint import DynamoWorkerEndpoint
 from refit_dynamo.errors import FleetChangedError
@@ -30,7 +31,7 @@ from refit_dynamo.transactions import join_worker, update_worker
 if TYPE_CHECKING:
     import ray
 
-    from refit_nccl.devices import DeviceType
+    from refit_nccl.backend import DeviceType
 
 __all__ = ["DynamoRefitChannel", "WorkerValidator"]
 

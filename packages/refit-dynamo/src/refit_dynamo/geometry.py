@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refit_core import CollectiveSenderSpec
+from refit_core.backend import CollectiveSenderSpec
 
 __all__ = ["VLLM_SENDER_SPEC", "vllm_sender_spec"]
 
@@ -16,6 +16,6 @@ def vllm_sender_spec() -> CollectiveSenderSpec:
     Raises:
         GeometryMismatchError: the installed vLLM packs with other defaults.
     """
-    from refit_nccl import require_vllm_defaults  # imports torch: only where a channel is built
+    from refit_nccl.backend import require_vllm_defaults
 
     return require_vllm_defaults(VLLM_SENDER_SPEC)

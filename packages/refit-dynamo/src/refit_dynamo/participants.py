@@ -1,34 +1,36 @@
 """A Dynamo fleet as the engine side of refit-nccl's :class:`CollectiveWeightSynchronizer`.
 
-Each engine rank of each worker is one participant, so the synchronizer plans ranks as usual.
-One admin call drives all of a worker's ranks, so the worker's local rank 0 makes the calls
-(:mod:`refit_dynamo.transactions`, each on a thread of its own, so no Ray cluster is needed)
-and its other ranks answer at once.
+Each engine rank of each worker is one participant playing refit-nccl's
+:class:`~refit_nccl.CollectiveEngineRole`, so the synchronizer plans ranks as usual. One admin
+call drives all of a worker's ranks, so the worker's local rank 0 makes the calls
+(:mod:`refit_dynamo.transactions`; every call runs on a thread of its own, so no Ray cluster
+is needed) and its other ranks answer at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
+from refit_core.backend import Participant
 from refit_dynamo.channel import DynamoRefitChannel
 from refit_dynamo.protocol import init_payload
 from refit_dynamo.transactions import flush_worker, join_worker, update_worker
-from refit_nccl import DeviceReport, JoinRequest, Participant
-from refit_nccl.driven import DrivenRankParticipant
-from refit_nccl.endpoint import StateItems
+from refit_nccl import CollectiveEngineRole
+from refit_nccl.backend import DeviceReport, DrivenRankEndpoint, DrivenRankParticipant, JoinRequest
 
-__all__ = ["DynamoRankParticipant", "StateItems", "dynamo_shards"]
+__all__ = ["DynamoRankEndpoint", "DynamoRankParticipant", "dynamo_shards"]
 
 
-class DynamoRankParticipant(DrivenRankParticipant):
-    """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``.
+class DynamoRankEndpoint(DrivenRankEndpoint):
+    """Engine rank ``local_rank`` of Dynamo worker ``index`` of ``channel``, playing the engine
+    role through the worker's admin routes (refit-nccl's
+    :class:`~refit_nccl.backend.DrivenRankEndpoint` serves the synchronizer's calls; each call
+    blocks, :class:`DynamoRankParticipant` runs it on a thread).
 
-    Drives the worker through its admin routes (refit-nccl's
-    :class:`~refit_nccl.driven.DrivenRankParticipant` serves the synchronizer's calls). The
-    commit flushes the worker's cache (pause with ``clear_cache``, then resume). Its device is
-    the channel's (``device``): on CUDA the worker's vLLM receives over vLLM's own NCCL data
+    The commit flushes the worker's cache (pause with ``clear_cache``, then resume). Its device
+    is the channel's (``device``): on CUDA the worker's vLLM receives over vLLM's own NCCL data
     plane, and the init and update info are built with the trainer's vLLM dataclasses
-    (:mod:`refit_nccl.vllm_native.payloads`).
+    (:mod:`refit_nccl.vllm_native`).
     """
 
     engines = "a Dynamo worker"
@@ -68,7 +70,17 @@ class DynamoRankParticipant(DrivenRankParticipant):
         flush_worker(self._channel.admin, self._worker)
 
 
-def dynamo_shards(channel: DynamoRefitChannel) -> dict[int, list[Participant]]:
+class DynamoRankParticipant(DrivenRankParticipant):
+    """A :class:`DynamoRankEndpoint` as the controller reaches it (each call on a thread); its
+    key is the worker's endpoint and the rank, so a restarted worker is seen."""
+
+    def __init__(self, channel: DynamoRefitChannel, index: int, local_rank: int) -> None:
+        super().__init__(DynamoRankEndpoint(channel, index, local_rank))
+
+
+def dynamo_shards(
+    channel: DynamoRefitChannel,
+) -> dict[int, list[Participant[CollectiveEngineRole]]]:
     """Shard index -> participants (one per engine rank) of every worker of ``channel``.
 
     Raises:

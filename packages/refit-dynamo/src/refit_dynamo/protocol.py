@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from refit_core import CollectiveSenderSpec, StateDictInfo
+from refit_core import StateDictInfo
+from refit_core.backend import CollectiveSenderSpec
 
 __all__ = [
     "INIT_ROUTE",

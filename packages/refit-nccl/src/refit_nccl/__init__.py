@@ -1,71 +1,56 @@
-"""refit-nccl: abortable process groups, packed pipelined broadcast and the collective
-synchronizer behind ``create_weight_synchronizer(..., "vllm", colocated=False)``."""
+"""refit-nccl: the collective synchronizer behind ``create_weight_synchronizer(..., "vllm",
+colocated=False)``, and what a deployment runs beside it.
 
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
-from refit_nccl.backends import Backend
-from refit_nccl.broadcast import Consumer, TransferStats, receive_packed, send_packed
-from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, build_collective_synchronizer
-from refit_nccl.child import ChildProcessGroup
-from refit_nccl.devices import DeviceMismatchError, DeviceReport, choose_backend
-from refit_nccl.endpoint import (
-    CollectiveEngine,
-    EngineEndpoint,
-    EngineStatus,
-    JoinRequest,
-    TrainerEndpoint,
-)
-from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, require_vllm_defaults
-from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
-from refit_nccl.handshake import agree_on_plan
-from refit_nccl.membership import Membership, ShardRanks, plan_membership
-from refit_nccl.plan import Bucket, Slot, TransferPlan
-from refit_nccl.storage import PlanStorage, StagingBuffers
-from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
-from refit_nccl.vllm_native.engine import LLMWeightSyncClient, VllmNativeGeneration
-from refit_nccl.vllm_peer import VllmPeerTrainer
+This module is the user API: the synchronizer's options, the endpoints a trainer rank or
+engine worker runs (as Ray actors or inside a framework's own workers), the roles they play,
+and the protocols of the objects handed to the factory. Packages that build on refit-nccl's
+process groups and packed broadcast (refit-sglang, refit-dynamo) use
+:mod:`refit_nccl.backend`. The names import torch on first use, so ``import refit_nccl``
+(and reading its rows) stays light.
+"""
 
-__version__ = "0.1.0"
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from refit_core.backend import lazy_facade
+
+if TYPE_CHECKING:
+    from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, PeerGeneration
+    from refit_nccl.devices import DeviceMismatchError
+    from refit_nccl.endpoint import CollectiveEngine, EngineEndpoint, EngineStatus, TrainerEndpoint
+    from refit_nccl.roles import CollectiveEngineRole, CollectiveMemberRole, CollectiveTrainerRole
+    from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
+    from refit_nccl.vllm_native.engine import LLMWeightSyncClient, VllmNativeGeneration
+else:
+    __getattr__ = lazy_facade(
+        __name__,
+        (
+            "refit_nccl.builder",
+            "refit_nccl.devices",
+            "refit_nccl.endpoint",
+            "refit_nccl.roles",
+            "refit_nccl.synchronizer",
+            "refit_nccl.vllm_native.engine",
+        ),
+    )
+
+__version__ = metadata.version("refit-nccl")
 
 __all__ = [
-    "DEFAULT_GEOMETRY",
-    "AbortableProcessGroup",
-    "ActorParticipant",
-    "Backend",
-    "Bucket",
-    "ChildProcessGroup",
     "CollectiveEngine",
+    "CollectiveEngineRole",
     "CollectiveGeneration",
+    "CollectiveMemberRole",
     "CollectiveOptions",
     "CollectivePolicy",
+    "CollectiveTrainerRole",
     "CollectiveWeightSynchronizer",
-    "Consumer",
     "DeviceMismatchError",
-    "DeviceReport",
     "EngineEndpoint",
     "EngineStatus",
-    "GroupSpec",
-    "JoinRequest",
     "LLMWeightSyncClient",
-    "LocalParticipant",
-    "Membership",
-    "Participant",
-    "PendingCall",
-    "PlanStorage",
-    "ShardRanks",
-    "Slot",
-    "StagingBuffers",
+    "PeerGeneration",
     "TrainerEndpoint",
-    "TransferPlan",
-    "TransferStats",
     "VllmNativeGeneration",
-    "VllmPeerTrainer",
     "__version__",
-    "agree_on_plan",
-    "build_collective_synchronizer",
-    "choose_backend",
-    "installed_vllm_geometry",
-    "plan_membership",
-    "receive_packed",
-    "require_vllm_defaults",
-    "send_packed",
 ]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core import Deadline, ProtocolError, RefitError
+from refit_core import ProtocolError, RefitError
+from refit_core.backend import Deadline
 from refit_nccl.group import AbortableProcessGroup, PendingCall
 from refit_nccl.packing import check_tensor, pack_bucket, unpack_bucket, wire_view
 from refit_nccl.plan import Bucket, TransferPlan

@@ -15,10 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from refit_core import SynchronizerRequest
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
-from refit_core.protocols import ClusterLike, PolicyLike
+from refit_core.backend import (
+    ActorParticipant,
+    LocalParticipant,
+    Participant,
+    PolicyLike,
+    RendezvousCluster,
+    SynchronizerRequest,
+)
 from refit_nccl.endpoint import TrainerEndpoint
+from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole
 from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
 
 __all__ = [
@@ -41,7 +47,7 @@ class CollectivePolicy(Protocol):
 @runtime_checkable
 class CollectiveGeneration(Protocol):
     """Engine shards whose workers are Ray actors serving :class:`EngineEndpoint`'s methods,
-    or ready-made :class:`~refit_core.participants.Participant` objects (vLLM engines:
+    or ready-made :class:`~refit_core.backend.Participant` objects (vLLM engines:
     :class:`refit_nccl.vllm.VllmCollectiveGeneration`)."""
 
     def collective_shards(self) -> Mapping[int, Sequence[Any]]:
@@ -55,41 +61,50 @@ class PeerGeneration(Protocol):
     """Engines that speak another protocol than refit's endpoints and bring the trainer side
     that speaks it."""
 
-    def collective_trainers_for(self, policy: PolicyLike) -> Sequence[Participant]:
+    def collective_trainers_for(
+        self, policy: PolicyLike
+    ) -> Sequence[Participant[CollectiveTrainerRole]]:
         """The trainer ranks (rank 0 sends) that drive these engines for ``policy``."""
         ...
 
 
-def _trainers(policy: object, generation: object) -> list[Participant]:
+def _trainers(policy: object, generation: object) -> list[Participant[CollectiveTrainerRole]]:
     if isinstance(generation, PeerGeneration):
         if not isinstance(policy, PolicyLike):
             raise ValueError("policy must provide weight_source() for these engines")
         return list(generation.collective_trainers_for(policy))
     if isinstance(policy, CollectivePolicy):
         handles = policy.collective_trainers()
-        return [ActorParticipant(h, f"trainer {rank}") for rank, h in enumerate(handles)]
+        return [
+            ActorParticipant[CollectiveTrainerRole](h, f"trainer {rank}")
+            for rank, h in enumerate(handles)
+        ]
     if isinstance(policy, PolicyLike):
-        return [LocalParticipant(TrainerEndpoint(policy), "trainer 0")]
+        return [LocalParticipant[CollectiveTrainerRole](TrainerEndpoint(policy), "trainer 0")]
     raise ValueError(
         "policy must provide collective_trainers() (Ray trainer ranks) or weight_source()"
     )
 
 
-def _engine_participant(worker: Any, label: str) -> Participant:
-    return worker if isinstance(worker, Participant) else ActorParticipant(worker, label)
+def _engine_participant(worker: Any, label: str) -> Participant[CollectiveEngineRole]:
+    if isinstance(worker, Participant):
+        participant: Participant[CollectiveEngineRole] = worker
+        return participant
+    return ActorParticipant[CollectiveEngineRole](worker, label)
 
 
 def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWeightSynchronizer:
     """The factory's builder for (vllm, non-colocated, collective).
 
     Raises:
-        ValueError: a policy, generation or train_cluster without the methods it needs.
+        ValueError: a policy, generation or train_cluster without the methods it needs, or
+            options whose bucket size disagrees with ``refit_buffer_size_gb``.
     """
     generation = request.generation
     if not isinstance(generation, CollectiveGeneration):
         raise ValueError("generation must provide collective_shards() (engine worker actors)")
     cluster = request.train_cluster
-    if not isinstance(cluster, ClusterLike):
+    if not isinstance(cluster, RendezvousCluster):
         raise ValueError("train_cluster must provide get_master_address_and_port()")
 
     def shards() -> ShardMap:
@@ -103,5 +118,7 @@ def build_collective_synchronizer(request: SynchronizerRequest) -> CollectiveWei
         shards,
         cluster.get_master_address_and_port,
         refit_timeout_s=request.refit_timeout_s,
-        options=CollectiveOptions(buffer_size_bytes=request.refit_buffer_size_bytes),
+        options=request.with_buffer_size(
+            request.options_as(CollectiveOptions) or CollectiveOptions(), "buffer_size_bytes"
+        ),
     )

@@ -39,13 +39,13 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from refit_core import (
-    Deadline,
     GeometryMismatchError,
     ProtocolError,
     RefitAbortedError,
     RefitError,
     RefitTimeoutError,
 )
+from refit_core.backend import Deadline
 from refit_nccl.backends import Communicator
 from refit_nccl.group import REDUCE_OPS, AbortableProcessGroup, GroupSpec, ReduceOpName
 from refit_nccl.packing import wire_view

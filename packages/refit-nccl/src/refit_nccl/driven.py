@@ -3,9 +3,9 @@
 A Dynamo worker (its admin routes) and an unmodified vLLM engine (vLLM's weight-sync surface)
 run no refit endpoint: one call reaches every rank of the engine, which joins the trainer's
 group and receives by itself. Each engine rank is still one participant, so the synchronizer
-plans ranks as usual; local rank 0 makes the engine's calls, each on a thread of its own, and
-the other ranks answer at once. refit cannot abort the communicator inside such an engine:
-an abort is only logged, and an engine that does not answer by the deadline is named wedged.
+plans ranks as usual; local rank 0 makes the engine's calls and the other ranks answer at
+once. refit cannot abort the communicator inside such an engine: an abort is only logged, and
+an engine that does not answer by the deadline is named wedged.
 """
 
 from __future__ import annotations
@@ -13,29 +13,27 @@ from __future__ import annotations
 import logging
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Hashable
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError
-from refit_core.participants import Participant
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, InFlight, LocalParticipant
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport
-from refit_nccl.endpoint import JoinRequest, StateItems
-from refit_nccl.futures import dispatch, done, in_thread, then
+from refit_nccl.endpoint import EngineStatus
 from refit_nccl.plan import TransferPlan
+from refit_nccl.roles import CollectiveEngineRole, JoinRequest, StateItems
 
-__all__ = ["DrivenRankParticipant"]
+__all__ = ["DrivenRankEndpoint", "DrivenRankParticipant"]
 
 logger = logging.getLogger(__name__)
 
 
-class DrivenRankParticipant(Participant):
-    """Rank ``local_rank`` of an engine that refit drives through the engine's own calls.
+class DrivenRankEndpoint(CollectiveEngineRole):
+    """Rank ``local_rank`` of an engine that refit drives through the engine's own calls,
+    playing :class:`~refit_nccl.roles.CollectiveEngineRole` (each call blocks;
+    :class:`DrivenRankParticipant` runs it on a thread of its own).
 
-    Serves the engine calls of the collective synchronizer (``refit_device``,
-    ``refit_geometry``, ``refit_plan``, ``refit_join``, ``refit_transfer``, ``refit_commit``,
-    ``refit_abort``); a subclass says how the engine joins, updates and commits.
+    A subclass says how the engine joins, updates and commits.
 
     Args:
         label: how errors name the engine (rank ``r > 0`` is ``label/rank{r}``).
@@ -47,11 +45,11 @@ class DrivenRankParticipant(Participant):
     """What the engine is, for messages."""
 
     def __init__(self, label: str, local_rank: int, geometry: CollectiveSenderSpec) -> None:
-        super().__init__(label if local_rank == 0 else f"{label}/rank{local_rank}")
+        self.label = label if local_rank == 0 else f"{label}/rank{local_rank}"
         self._local_rank = local_rank
         self._geometry = geometry
         self._plan: TransferPlan | None = None
-        self._in_flight: Future[Any] | None = None
+        self._in_flight = InFlight()
 
     @property
     def key(self) -> Hashable:
@@ -62,22 +60,6 @@ class DrivenRankParticipant(Participant):
     def drives(self) -> bool:
         """Whether this rank makes the engine's calls (local rank 0)."""
         return self._local_rank == 0
-
-    def close(self) -> None:
-        """Nothing to release: the engine's connections belong to whoever made them."""
-
-    def call(self, method: str, *args: Any) -> Future[Any]:
-        """Start ``method(*args)``; never blocks."""
-        handlers: dict[str, Callable[..., Future[Any]]] = {
-            "refit_device": lambda: done(self._device_report()),
-            "refit_geometry": lambda: done(self._geometry),
-            "refit_plan": lambda state, geometry: done(self._plan_for(state, geometry).digest),
-            "refit_join": self._join,
-            "refit_transfer": self._transfer,
-            "refit_commit": self._commit,
-            "refit_abort": self._abort,
-        }
-        return dispatch(handlers, method, args, self.engines)
 
     # -- what a subclass says ----------------------------------------------------------
 
@@ -100,42 +82,56 @@ class DrivenRankParticipant(Participant):
     def _commit_engine(self, version: int) -> None:
         """After every engine finished: drop caches computed with older weights."""
 
-    # -- the calls ---------------------------------------------------------------------
+    # -- the role ----------------------------------------------------------------------
 
-    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
-        if geometry != self._geometry:
-            raise GeometryMismatchError(
-                f"{self.label}: receives with {self._geometry}, the plan uses {geometry}"
-            )
-        return TransferPlan.build(dict(state), geometry)
+    def refit_device(self) -> DeviceReport:
+        """Where the engine receives."""
+        return self._device_report()
 
-    def _join(self, request: JoinRequest) -> Future[str]:
+    def refit_geometry(self) -> CollectiveSenderSpec:
+        """The geometry the engine receives with."""
+        return self._geometry
+
+    def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
+        """The digest of the plan for ``state``."""
+        return self._plan_for(state, geometry).digest
+
+    def refit_join(self, request: JoinRequest) -> str:
+        """Join the group (local rank 0 asks the engine to); the plan digest."""
         plan = self._plan = self._plan_for(request.state, request.geometry)
-        if not self.drives:
-            return done(plan.digest)
-        self._in_flight = in_thread(self._join_engine, request, name=f"refit-{self.label}")
-        return then(self._in_flight, lambda _: plan.digest)
+        if self.drives:
+            with self._in_flight:
+                self._join_engine(request)
+        return plan.digest
 
-    def _transfer(self, version: int, timeout_s: float | None) -> Future[TransferStats]:
+    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
+        """Receive one refit (local rank 0 drives the engine's update)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"{self.label}: refit_transfer before refit_join")
         started = time.monotonic()
-        sizes = (len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
-        if not self.drives:
-            return done(TransferStats.since(started, *sizes))
-        self._in_flight = in_thread(self._update_engine, version, name=f"refit-{self.label}")
-        return then(self._in_flight, lambda _: TransferStats.since(started, *sizes))
+        if self.drives:
+            with self._in_flight:
+                self._update_engine(version)
+        return TransferStats.since(started, len(plan.buckets), plan.wire_bytes, plan.dense_bytes)
 
-    def _commit(self, version: int) -> Future[int]:
-        if not self.drives:
-            return done(version)
-        committed = in_thread(self._commit_engine, version, name=f"refit-{self.label}")
-        return then(committed, lambda _: version)
+    def refit_commit(self, version: int) -> int:
+        """Drop the engine's stale caches (local rank 0); the version."""
+        if self.drives:
+            self._commit_engine(version)
+        return version
 
-    def _abort(self, cause: str, *_: object) -> Future[None]:
-        in_flight = self._in_flight
-        if in_flight is not None and not in_flight.done():
+    def refit_status(self) -> EngineStatus:
+        """Not known: the engine reports no refit state of its own.
+
+        Raises:
+            NotImplementedError: always (the fleet status names the engine unreachable).
+        """
+        raise NotImplementedError(f"{self.engines} has no refit_status")
+
+    def refit_abort(self, cause: str, group_name: str | None = None) -> None:
+        """Log that a join or update still running cannot be aborted (nothing else to do)."""
+        if self._in_flight:
             logger.warning(
                 "%s: its join or update is still running and refit cannot abort the "
                 "communicator inside %s (%s); it may stay wedged until its weight transfer "
@@ -144,4 +140,19 @@ class DrivenRankParticipant(Participant):
                 self.engines,
                 cause,
             )
-        return done(None)
+
+    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
+        if geometry != self._geometry:
+            raise GeometryMismatchError(
+                f"{self.label}: receives with {self._geometry}, the plan uses {geometry}"
+            )
+        return TransferPlan.build(dict(state), geometry)
+
+
+class DrivenRankParticipant(LocalParticipant[CollectiveEngineRole]):
+    """A :class:`DrivenRankEndpoint` as the controller reaches it (each call on a thread);
+    its key is the engine's and the rank's, so a restarted engine is seen."""
+
+    def __init__(self, rank: DrivenRankEndpoint) -> None:
+        super().__init__(rank, rank.label, key=rank.key)
+        self.rank = rank

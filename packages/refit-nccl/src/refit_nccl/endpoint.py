@@ -1,7 +1,7 @@
 """The participant side of a collective refit: what each trainer rank and engine worker runs.
 
-An endpoint is a plain object whose ``refit_*`` methods the controller calls, usually as a
-Ray actor (``ray.remote(EngineEndpoint).options(max_concurrency=2)``, so ``refit_abort`` is
+An endpoint is a plain object playing a role of :mod:`refit_nccl.roles`, whose ``refit_*``
+methods the controller calls, usually as a Ray actor (``ray.remote(EngineEndpoint).options(max_concurrency=2)``, so ``refit_abort`` is
 served while a transfer blocks) or as a member of a framework's own worker that forwards
 those methods. Every call that touches the group carries the remaining deadline, armed here,
 inside the participant.
@@ -19,56 +19,32 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from refit_core import (
-    CollectiveSenderSpec,
-    Deadline,
     GeometryMismatchError,
     RefitAbortedError,
     RefitError,
     RefitTimeoutError,
     TensorSpec,
 )
-from refit_core.engine_hooks import notify
-from refit_core.protocols import PolicyLike
+from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike, notify
 from refit_core.sources import ShardedWeightSource
 from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
 from refit_nccl.child import make_group
 from refit_nccl.devices import DeviceReport, DeviceType
 from refit_nccl.geometry import DEFAULT_GEOMETRY
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.plan import TransferPlan
+from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest, StateItems
 from refit_nccl.storage import StagingBuffers
 
 __all__ = [
     "CollectiveEngine",
     "EngineEndpoint",
     "EngineStatus",
-    "JoinRequest",
-    "StateItems",
     "TrainerEndpoint",
 ]
 
 logger = logging.getLogger(__name__)
-
-StateItems = tuple[tuple[str, TensorSpec], ...]
-"""A state's ``(name, spec)`` pairs in transfer order (picklable, ordered)."""
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    """Everything a participant needs to join one group and plan its transfers.
-
-    Attributes:
-        group: this participant's place in the group.
-        state: the trainer's state, in transfer order.
-        geometry: the packing geometry the engines declared.
-        timeout_s: what is left of the deadline (None: disarmed).
-    """
-
-    group: GroupSpec
-    state: StateItems
-    geometry: CollectiveSenderSpec
-    timeout_s: float | None
 
 
 @runtime_checkable
@@ -220,7 +196,7 @@ class _Endpoint(ABC):
         """Run this participant's side of one transfer."""
 
 
-class TrainerEndpoint(_Endpoint):
+class TrainerEndpoint(_Endpoint, CollectiveTrainerRole):
     """A trainer rank: rank 0 broadcasts the policy's weights, other trainer ranks receive
     and discard them (a broadcast needs every member).
 
@@ -270,7 +246,7 @@ class TrainerEndpoint(_Endpoint):
         return receive_packed(group, plan, lambda _: None, deadline, staging=self._staging)
 
 
-class EngineEndpoint(_Endpoint):
+class EngineEndpoint(_Endpoint, CollectiveEngineRole):
     """An engine worker: receives every bucket into ``engine.load_weights``, commits on request.
 
     Args:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 import logging
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec
 
 __all__ = [
     "DEFAULT_GEOMETRY",

@@ -33,7 +33,8 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import DistStoreError
 
-from refit_core import Deadline, ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core import ProtocolError, RefitAbortedError, RefitError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_nccl.backends import (
     Backend,
     BackendTraits,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from refit_core import Deadline, GeometryMismatchError
+from refit_core import GeometryMismatchError
+from refit_core.backend import Deadline
 from refit_nccl.group import AbortableProcessGroup
 
 __all__ = ["agree_on_plan"]

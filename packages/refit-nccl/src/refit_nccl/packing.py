@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from refit_core import ProtocolError
-from refit_core.types import dtype_name
+from refit_core.backend import dtype_name
 from refit_nccl.plan import Bucket, Slot
 
 __all__ = ["check_tensor", "pack_bucket", "slot_view", "unpack_bucket", "wire_view"]

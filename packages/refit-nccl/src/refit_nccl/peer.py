@@ -13,13 +13,13 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Generic, Protocol, TypeVar
 
-from refit_core import CollectiveSenderSpec, Deadline, RefitAbortedError
-from refit_core.protocols import PolicyLike
+from refit_core import RefitAbortedError
+from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.child import make_group
 from refit_nccl.devices import DeviceReport, DeviceType
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.roles import CollectiveTrainerRole, JoinRequest, StateItems
 
 __all__ = ["PeerTrainer"]
 
@@ -34,11 +34,12 @@ class _Plan(Protocol):
 PlanT = TypeVar("PlanT", bound=_Plan)
 
 
-class PeerTrainer(ABC, Generic[PlanT]):
+class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
     """The sending trainer rank (rank 0) of a refit into engines of another protocol.
 
-    Serves the trainer calls of refit-nccl's synchronizer: ``refit_device``, ``refit_state``,
-    ``refit_plan``, ``refit_join``, ``refit_transfer``, ``refit_abort``. Every group call runs under the
+    Plays :class:`~refit_nccl.roles.CollectiveTrainerRole` for refit-nccl's synchronizer
+    (``refit_device``, ``refit_state``, ``refit_plan``, ``refit_join``, ``refit_transfer``,
+    ``refit_abort``). Every group call runs under the
     remaining deadline, so this side never hangs.
 
     Args:

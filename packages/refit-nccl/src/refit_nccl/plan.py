@@ -22,7 +22,8 @@ from functools import cached_property
 
 import torch
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError, StateDictInfo, TensorSpec
+from refit_core import GeometryMismatchError, StateDictInfo, TensorSpec
+from refit_core.backend import CollectiveSenderSpec
 
 __all__ = ["ALIGN_BYTES", "PACKING_RULES", "Bucket", "Slot", "TransferPlan", "torch_dtype"]
 

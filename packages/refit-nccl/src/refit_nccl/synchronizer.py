@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit_core import (
-    CollectiveSenderSpec,
-    Deadline,
     EngineHealth,
     EngineReport,
     EngineState,
@@ -34,19 +32,25 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.participants import Gathered, Participant, gather
+from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
+from refit_nccl.roles import (
+    CollectiveEngineRole,
+    CollectiveMemberRole,
+    CollectiveTrainerRole,
+    JoinRequest,
+    StateItems,
+)
 
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 
 logger = logging.getLogger(__name__)
 
-ShardMap = Mapping[int, Sequence[Participant]]
+ShardMap = Mapping[int, Sequence[Participant[CollectiveEngineRole]]]
 """Engine shard index -> its workers, in local-rank order."""
 
 
@@ -95,14 +99,11 @@ class _Group:
     name: str
     backend: Backend
     membership: Membership
-    members: Mapping[int, Participant]
+    members: Mapping[int, Participant[CollectiveMemberRole]]
+    engines: tuple[Participant[CollectiveEngineRole], ...]
     absent: frozenset[int]
     seen: Mapping[int, tuple[Hashable, ...]]
     digest: str
-
-    @property
-    def engines(self) -> list[Participant]:
-        return [self.members[r] for r in range(self.membership.trainers, len(self.members))]
 
 
 class CollectiveWeightSynchronizer(WeightSynchronizer):
@@ -119,7 +120,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     def __init__(
         self,
-        trainers: Sequence[Participant],
+        trainers: Sequence[Participant[CollectiveTrainerRole]],
         shards: Callable[[], ShardMap],
         rendezvous: Callable[[], tuple[str, int]],
         *,
@@ -166,7 +167,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         what = f"refit to version {version}"
         left = _left(deadline, what)
         gathered = self._gather_collective(
-            {p: p.call("refit_transfer", version, left) for p in group.members.values()},
+            {
+                p: p.call(CollectiveMemberRole.refit_transfer, version, left)
+                for p in group.members.values()
+            },
             deadline,
             group,
         )
@@ -175,7 +179,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             self._invalidate(group, f"{what} failed")
             raise self._failure(what, gathered, deadline, target=version)
         committed = gather(
-            {p: p.call("refit_commit", version) for p in group.engines},
+            {p: p.call(CollectiveEngineRole.refit_commit, version) for p in group.engines},
             self._control_wait_s(deadline),
         )
         if not committed.ok:
@@ -233,14 +237,17 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         membership = plan_membership(len(self._trainers), {i: len(ws) for i, ws in shards.items()})
         engines = [w for i in membership.shard_indices for w in shards[i]]
         geometry = self._agree_geometry(engines, deadline)
-        state: StateItems = self._control(self._trainers[0], "refit_state", deadline)
-        members: dict[int, Participant] = dict(enumerate(self._trainers))
-        for index in membership.shard_indices:
-            for local_rank, worker in enumerate(shards[index]):
-                members[membership.shard(index).rank_of(local_rank)] = worker
+        state = self._state(deadline)
+        by_rank: dict[int, Participant[CollectiveEngineRole]] = {
+            membership.shard(index).rank_of(local_rank): worker
+            for index in membership.shard_indices
+            for local_rank, worker in enumerate(shards[index])
+        }
+        members: dict[int, Participant[CollectiveMemberRole]] = dict(enumerate(self._trainers))
+        members.update(by_rank)
         backend = self._agree_backend(members.values(), deadline)
         planned = gather(
-            {p: p.call("refit_plan", state, geometry) for p in members.values()},
+            {p: p.call(CollectiveMemberRole.refit_plan, state, geometry) for p in members.values()},
             self._control_wait_s(deadline),
         )
         if not planned.ok:
@@ -256,7 +263,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         )  # fmt: skip
         calls = {
             participant: participant.call(
-                "refit_join",
+                CollectiveMemberRole.refit_join,
                 JoinRequest(
                     GroupSpec(
                         host,
@@ -280,14 +287,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise self._failure(f"joining group {name}", gathered, deadline)
         seen = {i: tuple(w.key for w in ws) for i, ws in everyone.items()}
         digest = _require_one_digest(gathered)
-        self._group = _Group(name, backend, membership, members, absent, seen, digest)
+        engines_by_rank = tuple(by_rank[rank] for rank in sorted(by_rank))
+        self._group = _Group(
+            name, backend, membership, members, engines_by_rank, absent, seen, digest
+        )
         self._stale_reason = None
 
-    def _agree_backend(self, members: Iterable[Participant], deadline: Deadline) -> Backend:
+    def _agree_backend(
+        self, members: Iterable[Participant[CollectiveMemberRole]], deadline: Deadline
+    ) -> Backend:
         """The backend every member can join, from the device each one reports."""
         members = list(members)
         gathered = gather(
-            {p: p.call("refit_device") for p in members}, self._control_wait_s(deadline)
+            {p: p.call(CollectiveMemberRole.refit_device) for p in members},
+            self._control_wait_s(deadline),
         )
         if not gathered.ok:
             raise self._failure("asking the members for their devices", gathered, deadline)
@@ -301,10 +314,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         return backend
 
     def _agree_geometry(
-        self, engines: Sequence[Participant], deadline: Deadline
+        self, engines: Sequence[Participant[CollectiveEngineRole]], deadline: Deadline
     ) -> CollectiveSenderSpec:
         gathered = gather(
-            {e: e.call("refit_geometry") for e in engines}, self._control_wait_s(deadline)
+            {e: e.call(CollectiveEngineRole.refit_geometry) for e in engines},
+            self._control_wait_s(deadline),
         )
         if not gathered.ok:
             raise self._failure("asking the engines for their geometry", gathered, deadline)
@@ -317,16 +331,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         wanted = self._options.buffer_size_bytes
         if wanted is not None and wanted != geometry.buffer_size_bytes:
             raise GeometryMismatchError(
-                f"refit_buffer_size_gb asks for {wanted} B buckets, the engines declared "
+                f"refit_buffer_size_gb (or options.buffer_size_bytes) asks for {wanted} B "
+                "buckets, the engines declared "
                 f"{geometry.buffer_size_bytes} B"
             )
         return geometry
 
-    def _control(self, participant: Participant, method: str, deadline: Deadline) -> Any:
-        gathered = gather({participant: participant.call(method)}, self._control_wait_s(deadline))
+    def _state(self, deadline: Deadline) -> StateItems:
+        """The state trainer rank 0 sends."""
+        sender = self._trainers[0]
+        asked = sender.call(CollectiveTrainerRole.refit_state)
+        gathered = gather({sender: asked}, self._control_wait_s(deadline))
         if not gathered.ok:
-            raise self._failure(f"{method} on {participant.label}", gathered, deadline)
-        return gathered.results[participant]
+            raise self._failure(f"asking {sender.label} for its state", gathered, deadline)
+        return asked.result()
 
     def _invalidate(self, group: _Group, cause: str) -> None:
         """Mark the communicator stale and abort its group everywhere."""
@@ -334,25 +352,27 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._abort_members(group.name, group.members.values(), cause)
 
     @staticmethod
-    def _abort_members(name: str, members: Iterable[Participant], cause: str) -> None:
+    def _abort_members(
+        name: str, members: Iterable[Participant[CollectiveMemberRole]], cause: str
+    ) -> None:
         """Ask every member to abort group ``name``; never waits (a frozen one never answers)."""
         for participant in members:
-            participant.call("refit_abort", cause, name)
+            participant.call(CollectiveMemberRole.refit_abort, cause, name)
 
     def _gather_collective(
         self,
-        calls: Mapping[Participant, Future[Any]],
+        calls: Mapping[Participant[Any], Future[Any]],
         deadline: Deadline,
         group: _Group | None = None,
         *,
-        abort: tuple[str, Iterable[Participant]] | None = None,
+        abort: tuple[str, Iterable[Participant[CollectiveMemberRole]]] | None = None,
     ) -> Gathered:
         """Wait for collective calls, up to deadline + grace. The first failure aborts the
         group on every member at once (a dead peer ends the refit everywhere, not at the
         deadline); the rest then get ``settle_s`` to report."""
         target = abort or ((group.name, group.members.values()) if group else None)
 
-        def abort_everyone(participant: Participant, error: BaseException) -> None:
+        def abort_everyone(participant: Participant[Any], error: BaseException) -> None:
             if target is not None:
                 cause = f"{participant.label} failed: {type(error).__name__}"
                 logger.warning("collective call failed on %s; aborting the group", participant)
@@ -381,7 +401,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self,
         deadline: Deadline,
         *,
-        silent: Collection[Participant] = (),
+        silent: Collection[Participant[Any]] = (),
         wait_s: float | None = None,
     ) -> FleetStatus:
         """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
@@ -389,7 +409,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
         silent_keys = {p.key for p in silent}
         gathered = gather(
-            {w: w.call("refit_status") for _, w in workers if w.key not in silent_keys},
+            {
+                w: w.call(CollectiveEngineRole.refit_status)
+                for _, w in workers
+                if w.key not in silent_keys
+            },
             limit if wait_s is None else min(limit, wait_s),
         )
         gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
@@ -471,7 +495,7 @@ def _require_one_digest(gathered: Gathered) -> str:
     return next(iter(by_digest))
 
 
-def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | None]]:
+def _culprits(gathered: Gathered) -> list[tuple[Participant[Any], BaseException | None]]:
     """Who failed, the likely root cause first: a participant's own failure (a dead actor,
     a refused geometry), then the silent ones (frozen or wedged), then the peers that only
     timed out or were aborted because of them."""
@@ -485,7 +509,7 @@ def _culprits(gathered: Gathered) -> list[tuple[Participant, BaseException | Non
             return 3
         return 2 if isinstance(error, RefitError) else 0
 
-    failed: list[tuple[Participant, BaseException | None]] = [
+    failed: list[tuple[Participant[Any], BaseException | None]] = [
         *gathered.errors.items(),
         *((p, None) for p in gathered.missing),
     ]
@@ -499,7 +523,9 @@ def _one_line(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _engine_status(shard: int, worker: Participant, gathered: Gathered) -> EngineStatus:
+def _engine_status(
+    shard: int, worker: Participant[CollectiveEngineRole], gathered: Gathered
+) -> EngineStatus:
     label = worker.label
     if worker in gathered.missing or worker in gathered.errors:
         detail = _one_line(gathered.errors.get(worker))

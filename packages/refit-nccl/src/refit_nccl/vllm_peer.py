@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from refit_core import CollectiveSenderSpec, Deadline, GeometryMismatchError
-from refit_core.protocols import PolicyLike
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
 from refit_nccl.broadcast import TransferStats, send_packed
 from refit_nccl.devices import DeviceReport, DeviceType, local_device
-from refit_nccl.endpoint import JoinRequest, StateItems
 from refit_nccl.group import AbortableProcessGroup, GroupSpec
 from refit_nccl.peer import PeerTrainer
 from refit_nccl.plan import TransferPlan
+from refit_nccl.roles import JoinRequest, StateItems
 from refit_nccl.storage import StagingBuffers
 from refit_nccl.vllm_native.availability import VLLM_INSTALL_HINT, vllm_nccl_missing
 

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from refit_core import Deadline
+from refit_core.backend import Deadline
 
 __all__ = ["Watchdog"]
 

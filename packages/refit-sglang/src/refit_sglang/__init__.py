@@ -1,53 +1,52 @@
-"""refit-sglang: flattened tensor buckets and the SGLang synchronizers."""
+"""refit-sglang: the SGLang synchronizers (colocated Ray-IPC and disaggregated NCCL).
 
-from refit_sglang.buckets import FlattenedBucket, TensorSlot, iter_buckets
-from refit_sglang.builder import build_colocated_synchronizer, build_disaggregated_synchronizer
-from refit_sglang.client import HttpClient, SGLangClient, UnsupportedEngineError
-from refit_sglang.clients import clients_for
-from refit_sglang.colocated import ColocatedOptions, ColocatedSGLangSynchronizer
-from refit_sglang.disaggregated import SGLangCollectiveSynchronizer
-from refit_sglang.engine_client import EngineClient
-from refit_sglang.handles import SharedBuffers, serialize_bucket
-from refit_sglang.lifecycle import PauseMode, check_pause_mode
-from refit_sglang.participants import EngineSettings, SGLangRankParticipant
-from refit_sglang.plan import DistributedPlan
-from refit_sglang.protocol import SGLANG_COMMIT, RequestSchemaError, validate_request
-from refit_sglang.rank import TrainerRank
-from refit_sglang.ray_gather import RayTrainerRanks
-from refit_sglang.sources import BucketSource, LocalBuckets, Payload
-from refit_sglang.trainer import SGLangPeerTrainer
+This module is the user API: the synchronizers, their options, the engine clients and the
+trainer-side sources a deployment hands to ``create_weight_synchronizer``. The names import
+torch on first use, so ``import refit_sglang`` (and reading its rows) stays light.
+"""
 
-__version__ = "0.1.0"
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from refit_core.backend import lazy_facade
+
+if TYPE_CHECKING:
+    from refit_sglang.client import HttpClient, SGLangClient, UnsupportedEngineError
+    from refit_sglang.colocated import ColocatedOptions, ColocatedSGLangSynchronizer
+    from refit_sglang.disaggregated import SGLangCollectiveSynchronizer
+    from refit_sglang.engine_client import EngineClient
+    from refit_sglang.lifecycle import PauseMode
+    from refit_sglang.rank import TrainerRank
+    from refit_sglang.ray_gather import RayTrainerRanks
+    from refit_sglang.sources import BucketSource
+else:
+    __getattr__ = lazy_facade(
+        __name__,
+        (
+            "refit_sglang.client",
+            "refit_sglang.colocated",
+            "refit_sglang.disaggregated",
+            "refit_sglang.engine_client",
+            "refit_sglang.lifecycle",
+            "refit_sglang.rank",
+            "refit_sglang.ray_gather",
+            "refit_sglang.sources",
+        ),
+    )
+
+__version__ = metadata.version("refit-sglang")
 
 __all__ = [
-    "SGLANG_COMMIT",
     "BucketSource",
     "ColocatedOptions",
     "ColocatedSGLangSynchronizer",
-    "DistributedPlan",
     "EngineClient",
-    "EngineSettings",
-    "FlattenedBucket",
     "HttpClient",
-    "LocalBuckets",
     "PauseMode",
-    "Payload",
     "RayTrainerRanks",
-    "RequestSchemaError",
     "SGLangClient",
     "SGLangCollectiveSynchronizer",
-    "SGLangPeerTrainer",
-    "SGLangRankParticipant",
-    "SharedBuffers",
-    "TensorSlot",
     "TrainerRank",
     "UnsupportedEngineError",
     "__version__",
-    "build_colocated_synchronizer",
-    "build_disaggregated_synchronizer",
-    "check_pause_mode",
-    "clients_for",
-    "iter_buckets",
-    "serialize_bucket",
-    "validate_request",
 ]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import socket
 import uuid
 
-from refit_core import SynchronizerRequest
-from refit_core.protocols import ClusterLike, PolicyLike
-from refit_nccl import CollectiveOptions, LocalParticipant
+from refit_core.backend import LocalParticipant, PolicyLike, RendezvousCluster, SynchronizerRequest
+from refit_nccl import CollectiveOptions, CollectiveTrainerRole
 from refit_sglang.clients import clients_for
 from refit_sglang.colocated import (
     DEFAULT_BUCKET_SIZE_BYTES,
@@ -36,14 +35,17 @@ def build_colocated_synchronizer(request: SynchronizerRequest) -> ColocatedSGLan
 
     ``generation`` is an SGLang server URL, an ``sglang.Engine``-like object, an
     ``SGLangClient`` or a sequence of these; ``policy`` a ``PolicyLike`` in this process or a
-    ``BucketSource`` (trainer ranks as Ray actors: ``RayTrainerRanks``).
+    ``BucketSource`` (trainer ranks as Ray actors: ``RayTrainerRanks``); ``options`` a
+    :class:`ColocatedOptions`.
 
     Raises:
-        ValueError: a wrong policy or generation, or a deadline with in-process engines.
+        ValueError: a wrong policy or generation, a deadline with in-process engines, or
+            options whose bucket size disagrees with ``refit_buffer_size_gb``.
         UnsupportedEngineError: an in-process engine that lacks a route or field refit needs.
     """
-    size = request.refit_buffer_size_bytes
-    options = ColocatedOptions() if size is None else ColocatedOptions(bucket_size_bytes=size)
+    options = request.with_buffer_size(
+        request.options_as(ColocatedOptions) or ColocatedOptions(), "bucket_size_bytes"
+    )
     source = request.policy if isinstance(request.policy, BucketSource) else _policy(request)
     return ColocatedSGLangSynchronizer(
         source,
@@ -79,12 +81,12 @@ def build_disaggregated_synchronizer(request: SynchronizerRequest) -> SGLangColl
         require_bounded(clients)
     cluster = request.train_cluster
     rendezvous = (
-        cluster.get_master_address_and_port if isinstance(cluster, ClusterLike) else _loopback
+        cluster.get_master_address_and_port if isinstance(cluster, RendezvousCluster) else _loopback
     )
     shards = sglang_shards(clients, settings)
     return SGLangCollectiveSynchronizer(
         clients,
-        [LocalParticipant(SGLangPeerTrainer(policy), "trainer 0")],
+        [LocalParticipant[CollectiveTrainerRole](SGLangPeerTrainer(policy), "trainer 0")],
         lambda: shards,
         rendezvous,
         refit_timeout_s=deadline_s,

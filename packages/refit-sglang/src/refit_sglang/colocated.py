@@ -17,7 +17,6 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass
 
 from refit_core import (
-    Deadline,
     EngineReport,
     EngineState,
     RefitError,
@@ -26,7 +25,7 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.protocols import PolicyLike
+from refit_core.backend import Deadline, PolicyLike
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import (
     LIFECYCLE_ROUTES,

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
-from refit_core import Deadline
+from refit_core.backend import Deadline
 from refit_sglang.client import SGLangClient
 
 __all__ = [

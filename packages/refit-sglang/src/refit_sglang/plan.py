@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from refit_core import CollectiveSenderSpec, TensorSpec
+from refit_core import TensorSpec
+from refit_core.backend import CollectiveSenderSpec
 from refit_sglang.buckets import group_by_dtype
 
 __all__ = ["SGLANG_PEER", "DistributedPlan", "StateItems", "sglang_geometry"]

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from refit_core import NamedTensor, ProtocolError, TensorSpec
-from refit_core.protocols import PolicyLike
+from refit_core.backend import PolicyLike
 from refit_sglang.buckets import FlattenedBucket
 from refit_sglang.handles import SharedBuffers
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from refit_core import Deadline, RefitError, RefitTimeoutError, TensorSpec, WorkerError
+from refit_core import RefitError, RefitTimeoutError, TensorSpec, WorkerError
+from refit_core.backend import Deadline
 from refit_sglang.buckets import group_by_dtype
 from refit_sglang.sources import BucketSource, Payload
 

@@ -11,8 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator
 from dataclasses import dataclass
 
-from refit_core import Deadline
-from refit_core.protocols import PolicyLike
+from refit_core.backend import Deadline, PolicyLike
 from refit_sglang.buckets import iter_buckets
 from refit_sglang.handles import SharedBuffers
 

@@ -7,9 +7,15 @@ import dataclasses
 import logging
 import time
 
-from refit_core import CollectiveSenderSpec, Deadline, ProtocolError
-from refit_nccl import AbortableProcessGroup, GroupSpec, JoinRequest, TransferStats
-from refit_nccl.peer import PeerTrainer
+from refit_core import ProtocolError
+from refit_core.backend import CollectiveSenderSpec, Deadline
+from refit_nccl.backend import (
+    AbortableProcessGroup,
+    GroupSpec,
+    JoinRequest,
+    PeerTrainer,
+    TransferStats,
+)
 from refit_sglang.plan import DistributedPlan, StateItems
 
 __all__ = ["SGLangPeerTrainer"]

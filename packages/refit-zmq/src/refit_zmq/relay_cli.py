@@ -69,7 +69,7 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from refit_core.errors import RefitError
+    from refit_core import RefitError
     from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
     from refit_zmq.relay.wire.auth import api_key_from_env
     from refit_zmq.relay.wire.curve import CurveConfig

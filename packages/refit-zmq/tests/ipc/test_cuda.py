@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
+from refit_core import TensorSpec
 from refit_core.sources import StateDictSource
-from refit_core.types import TensorSpec
 from refit_lab.cuda_engine import serve_cuda_engine
 from refit_lab.digest import state_digest
 from refit_lab.faults import ProcessGang

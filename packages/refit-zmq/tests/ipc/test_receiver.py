@@ -12,8 +12,7 @@ import pytest
 import torch
 import zmq
 
-from refit_core import GeometryMismatchError, ProtocolError, StaleBaseError
-from refit_core.types import NamedTensor, TensorSpec
+from refit_core import GeometryMismatchError, NamedTensor, ProtocolError, StaleBaseError, TensorSpec
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_zmq.ipc import IpcOptions, IpcReceiver, IpcWeightSynchronizer

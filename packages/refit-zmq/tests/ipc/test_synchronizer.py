@@ -16,11 +16,12 @@ from ipc_actors import CONFIG, EngineFleet
 
 from refit_core import (
     GeometryMismatchError,
+    NamedTensor,
     RefitTimeoutError,
+    StateDictInfo,
     create_weight_synchronizer,
 )
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, StateDictInfo
 from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.faults import thaw
@@ -51,6 +52,7 @@ class TestIpcConformance(SynchronizerConformance):
             True,
             refit_buffer_size_gb=48 * KiB / 1024**3,
             refit_timeout_s=60.0,
+            options=IpcOptions(device="cpu"),
         )
         assert isinstance(synchronizer, IpcWeightSynchronizer)
         return FleetDeployment(trainer, synchronizer, CONFIG, self.engines)

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from refit_core.participants import LocalParticipant
+from refit_core import WeightVersion
+from refit_core.backend import LocalParticipant
 from refit_core.sources import StateDictSource
-from refit_core.types import WeightVersion
 from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import (

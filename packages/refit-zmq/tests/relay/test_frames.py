@@ -11,7 +11,7 @@ import pytest
 from frame_strategies import frame_lists
 from hypothesis import event, given, settings
 
-from refit_core.errors import AuthenticationError, ProtocolError
+from refit_core import AuthenticationError, ProtocolError
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, Message, encode, parse
 

@@ -18,7 +18,7 @@ import pytest
 import zmq
 from relay_helpers import TUNING, fresh_trainer, make_state
 
-from refit_core.errors import AuthenticationError, RefitTimeoutError
+from refit_core import AuthenticationError, RefitTimeoutError
 from refit_zmq.relay import RelayCoordinator, RelayStatus, TensorReceiver, ZmqSparseRefitServer
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode

@@ -9,8 +9,7 @@ import pytest
 import torch
 from relay_helpers import KiB, MiB, Trainer, digests, make_state
 
-from refit_core.errors import ChecksumMismatchError, GeometryMismatchError, ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ChecksumMismatchError, GeometryMismatchError, ProtocolError, WeightVersion
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload
 from refit_zmq.relay.apply.payload_stream import PayloadStream
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from relay_helpers import MiB, Trainer, digests, make_state
 
-from refit_core.errors import (
+from refit_core import (
     ChecksumMismatchError,
     ProtocolError,
     StaleBaseError,
     VerificationError,
+    WeightVersion,
 )
-from refit_core.types import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     AbortReply,
@@ -78,13 +78,13 @@ def test_commit_adopts_the_new_bits_and_version(trainer: Trainer) -> None:
 
 
 def test_rollback_restores_every_bit(trainer: Trainer) -> None:
-    rolled: list[bool] = []
-    receiver, tensors = _receiver(on_rollback=lambda version: rolled.append(True))
+    rolled: list[int] = []
+    receiver, tensors = _receiver(on_rollback=rolled.append)
     before = digests(tensors)
     for payload in _payloads(trainer):
         receiver.apply(memoryview(payload.to_bytes()), _meta(payload))
     assert receiver.rollback(T1) == AbortReply(T1, 3, aborted=True, restored=True)
-    assert digests(tensors) == before and rolled == [True]
+    assert digests(tensors) == before and rolled == [4]  # the target rolled back
     assert receiver.rollback(T1).restored is False
     assert receiver.status().open is None
 

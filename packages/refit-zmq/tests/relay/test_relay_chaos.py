@@ -23,9 +23,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from relay_helpers import TUNING, LaunchedRelay, State, digests, start_launched, step_state
 
-from refit_core.errors import RefitError
+from refit_core import RefitError, TensorSpec, WeightVersion
 from refit_core.sources import StateDictSource
-from refit_core.types import TensorSpec, WeightVersion
 from refit_zmq.relay import RelayCoordinator, RelayStatus
 from refit_zmq.relay.launch import parse_shapes, random_state
 from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer, shard_producers

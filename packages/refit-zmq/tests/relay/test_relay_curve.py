@@ -10,8 +10,7 @@ import zmq
 import zmq.auth
 from relay_helpers import KEY, KEY_VAR, TUNING, RelayFleet, RelaySpec, fresh_trainer, held_digests
 
-from refit_core.errors import AuthenticationError, RefitTimeoutError
-from refit_core.types import WeightVersion
+from refit_core import AuthenticationError, RefitTimeoutError, WeightVersion
 from refit_zmq.relay import (
     CurveConfig,
     RelayCoordinator,

@@ -21,7 +21,7 @@ import pytest
 import zmq
 from relay_helpers import KiB, MiB, RelayFleet, RelaySpec
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.relay import RelayCoordinator, RelayStatus, RelayTuning, ZmqSparseRefitClient
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode

@@ -15,7 +15,7 @@ from frame_strategies import frame_lists
 from hypothesis import HealthCheck, assume, given, settings
 from relay_helpers import TUNING, RelayFleet, RelaySpec, digests, fresh_trainer, held_digests
 
-from refit_core.errors import AuthenticationError, ProtocolError
+from refit_core import AuthenticationError, ProtocolError
 from refit_zmq.relay import RelayCoordinator
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, parse

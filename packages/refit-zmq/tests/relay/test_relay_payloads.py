@@ -16,8 +16,7 @@ from relay_helpers import (
     held_digests,
 )
 
-from refit_core.errors import AuthenticationError, ChecksumMismatchError
-from refit_core.types import WeightVersion
+from refit_core import AuthenticationError, ChecksumMismatchError, WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     Acknowledged,

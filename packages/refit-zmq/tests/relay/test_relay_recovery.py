@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, State, digests, make_state, step_state
 
-from refit_core.errors import EngineState, Recovery, RefitError, RefitTimeoutError
+from refit_core import EngineState, Recovery, RefitError, RefitTimeoutError
 from refit_core.sources import StateDictSource
 from refit_lab.zmq_faults import PartitioningRelayProxy
 from refit_zmq.relay import RelayCoordinator, RelayStatus

@@ -14,7 +14,7 @@ import pytest
 from relay_helpers import TUNING, Trainer, digests, make_state
 from wire_helpers import Wire, begin_fields, frame_chunks, stream
 
-from refit_core.types import WeightVersion
+from refit_core import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import TensorReceiver, ZmqSparseRefitServer, new_transfer_id
 

@@ -17,7 +17,7 @@ import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, Trainer, digests, make_state
 from wire_helpers import Wire, begin_fields, frame_chunks, payload_ids, stream
 
-from refit_core.types import WeightVersion
+from refit_core import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     RelayCoordinator,

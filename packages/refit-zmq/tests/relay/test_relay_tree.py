@@ -18,10 +18,16 @@ from relay_helpers import (
     make_state,
 )
 
-from refit_core.deadline import Deadline
-from refit_core.errors import EngineState, RefitError, RefitTimeoutError, StaleBaseError
+from refit_core import (
+    Deadline,
+    EngineState,
+    NamedTensor,
+    RefitError,
+    RefitTimeoutError,
+    StaleBaseError,
+    StateDictInfo,
+)
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, StateDictInfo
 from refit_zmq.relay import (
     FlushReport,
     RelayCoordinator,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay import (
     AbortReply,
     ApplyResult,

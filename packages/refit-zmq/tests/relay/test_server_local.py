@@ -10,7 +10,7 @@ import pytest
 import zmq
 from relay_helpers import TUNING, MiB, Trainer, digests, make_state
 
-from refit_core.types import WeightVersion
+from refit_core import WeightVersion
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     AbortReply,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay.node.staging import Pending, StagedPayload, Staging
 
 

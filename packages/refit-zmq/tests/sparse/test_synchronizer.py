@@ -9,16 +9,21 @@ import pytest
 import ray
 from sparse_actors import CONFIG, EngineFleet, RayTrainer
 
-from refit_core import RefitTimeoutError, WorkerError, create_weight_synchronizer
-from refit_core.errors import EngineState, Recovery
-from refit_core.fleet import EngineHealth
+from refit_core import (
+    EngineHealth,
+    EngineState,
+    Recovery,
+    RefitTimeoutError,
+    WorkerError,
+    create_weight_synchronizer,
+)
 from refit_lab.conformance import FleetDeployment, RefitDeployment, SynchronizerConformance
 from refit_lab.digest import state_digest
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.reference_engine import random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_zmq.relay import RelayTuning
-from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer, shard_producers
+from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,22 +51,20 @@ class TestZmqSparseConformance(SynchronizerConformance):
             self.engines,
             "vllm",
             False,
-            train_cluster=LocalCluster(1),
-            inference_cluster=LocalCluster(3),
             refit_timeout_s=60.0,
             transport="zmq_sparse",
-        )
+        )  # no clusters: the sparse row calls none
         assert isinstance(synchronizer, ZmqSparseWeightSynchronizer)
         return FleetDeployment(trainer, synchronizer, CONFIG, self.engines)
 
 
 def _synchronizer(trainer: SimulatedTrainer, engines: EngineFleet) -> ZmqSparseWeightSynchronizer:
-    return ZmqSparseWeightSynchronizer(
-        shard_producers(trainer, OPTIONS.shard_count),
-        engines.relay_addresses,
-        refit_timeout_s=60.0,
+    synchronizer = create_weight_synchronizer(
+        trainer, engines, "vllm", False, refit_timeout_s=60.0, transport="zmq_sparse",
         options=OPTIONS,
-    )
+    )  # fmt: skip
+    assert isinstance(synchronizer, ZmqSparseWeightSynchronizer)
+    return synchronizer
 
 
 def _bitwise(engines: EngineFleet, trainer: SimulatedTrainer) -> list[bool]:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import TensorSpec, WeightVersion
 from refit_zmq.codec import DecodedItem, decode_payload, unpack_buffer
 from refit_zmq.codec.buffers import pack_buffer
 from refit_zmq.codec.dtypes import WIRE_DTYPES, dtype_code

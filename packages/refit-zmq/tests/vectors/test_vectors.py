@@ -18,8 +18,7 @@ import rfdz_reader
 import torch
 import xxhash
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import ChecksumMismatchError, ProtocolError, TensorSpec, WeightVersion
 from refit_zmq.codec import Encoding, UndoLog, apply_payload, decode_payload, unpack_buffer
 from refit_zmq.codec.buffers import pack_buffer
 from refit_zmq.codec.dtypes import WIRE_DTYPES, unsigned_numpy_dtype

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import TensorSpec, WeightVersion
 from refit_lab.bench.deltas import (
     ModelShape,
     State,

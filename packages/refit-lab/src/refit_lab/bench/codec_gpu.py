@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from refit_core.types import TensorSpec, WeightVersion
+from refit_core import TensorSpec, WeightVersion
 from refit_lab.bench.deltas import (
     ModelShape,
     State,
@@ -41,8 +41,7 @@ from refit_lab.bench.deltas import (
 )
 from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
 from refit_lab.bench.references import Memcpy
-from refit_zmq.codec import DeltaPayload, apply_payload
-from refit_zmq.codec.device_diff import fetch_diff
+from refit_zmq.codec import DeltaPayload, apply_payload, fetch_diff
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
 __all__ = ["FULL_BYTES", "QUICK_BYTES", "measure_gpu"]

@@ -42,7 +42,7 @@ from refit_lab.faults import fault_self
 if TYPE_CHECKING:
     import torch
 
-    from refit_nccl.group import AbortableProcessGroup
+    from refit_nccl.backend import AbortableProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ def _bitexact(expected: dict[str, torch.Tensor], received: dict[str, torch.Tenso
 def _connect(
     rank: int, world: int, port: int, name: str, timeout_s: float, *, in_child: bool = False
 ) -> AbortableProcessGroup:
-    from refit_core import Deadline as RefitDeadline
-    from refit_nccl import AbortableProcessGroup, ChildProcessGroup, GroupSpec
+    from refit_core.backend import Deadline as RefitDeadline
+    from refit_nccl.backend import AbortableProcessGroup, ChildProcessGroup, GroupSpec
 
     spec = GroupSpec("127.0.0.1", port, rank, world, "gloo", name)
     group = ChildProcessGroup(spec) if in_child else AbortableProcessGroup(spec)
@@ -139,9 +139,10 @@ def _throughput_rank(
     """One rank: ``rounds`` rounds of every case in :data:`CASES`, then a bitwise check."""
     import torch
 
-    from refit_core import CollectiveSenderSpec, TensorSpec
-    from refit_core import Deadline as RefitDeadline
-    from refit_nccl import (
+    from refit_core import TensorSpec
+    from refit_core.backend import CollectiveSenderSpec
+    from refit_core.backend import Deadline as RefitDeadline
+    from refit_nccl.backend import (
         PlanStorage,
         StagingBuffers,
         TransferPlan,
@@ -237,8 +238,9 @@ def measure_throughput(
 
 
 def _abort_plan() -> tuple[dict[str, torch.Tensor], Any]:
-    from refit_core import CollectiveSenderSpec, TensorSpec
-    from refit_nccl import TransferPlan
+    from refit_core import TensorSpec
+    from refit_core.backend import CollectiveSenderSpec
+    from refit_nccl.backend import TransferPlan
 
     state = transformer_state(ABORT_BYTES, seed=1)
     plan = TransferPlan.build(
@@ -253,9 +255,9 @@ def _abort_rank(rank: int, ports: tuple[int, int], threads: int) -> dict[str, An
     deadline), then a rebuilt group over the survivors and a retry (timed until verified)."""
     import torch
 
-    from refit_core import Deadline as RefitDeadline
     from refit_core import RefitTimeoutError
-    from refit_nccl import agree_on_plan, receive_packed, send_packed
+    from refit_core.backend import Deadline as RefitDeadline
+    from refit_nccl.backend import agree_on_plan, receive_packed, send_packed
 
     torch.set_num_threads(threads)
     state, plan = _abort_plan()
@@ -296,8 +298,8 @@ def _victim_rank(port: int, threads: int) -> None:
     """The receiver that freezes itself after its first bucket (the bench kills it)."""
     import torch
 
-    from refit_core import Deadline as RefitDeadline
-    from refit_nccl import agree_on_plan, receive_packed
+    from refit_core.backend import Deadline as RefitDeadline
+    from refit_nccl.backend import agree_on_plan, receive_packed
 
     torch.set_num_threads(threads)
     _, plan = _abort_plan()

@@ -16,8 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from refit_core.text import align_columns
+from refit_core.backend import align_columns
 from refit_lab.bench.runtime import default_threads
+
+__all__ = [
+    "BENCHES",
+    "BenchContext",
+    "BenchFn",
+    "BenchReport",
+    "ProgressHook",
+    "TimingStats",
+    "format_table",
+    "gbps",
+    "load_bench",
+    "log_progress",
+    "machine_info",
+    "timeit",
+    "write_json",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -96,8 +96,8 @@ def _reshard_rank(
     bitwise check."""
     import torch
 
-    from refit_core import Deadline as RefitDeadline
-    from refit_nccl import AbortableProcessGroup, GroupSpec
+    from refit_core.backend import Deadline as RefitDeadline
+    from refit_nccl.backend import AbortableProcessGroup, GroupSpec
     from refit_nccl.megatron import execute_reshard
 
     torch.set_num_threads(threads)

@@ -50,9 +50,9 @@ import numpy as np
 import torch
 import xxhash
 
-from refit_core.participants import LocalParticipant, Participant
+from refit_core import WeightVersion
+from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
-from refit_core.types import WeightVersion
 from refit_lab.bench.deltas import Trajectory, calibrate_lr
 from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
 from refit_lab.bench.raw_zmq import LoopbackStream, ZmqStreamSender, summarize, zmq_receiver
@@ -70,6 +70,7 @@ from refit_zmq.relay import (
     RelayStatus,
     RelayTuning,
     ShardProducer,
+    ShardProducerRole,
     TransferOptions,
     ZmqSparseRefitClient,
     deliver_payloads,
@@ -388,7 +389,7 @@ class _Weights:
 
 def _timed_refit(
     coordinator: RelayCoordinator,
-    producer: Participant,
+    producer: Participant[ShardProducerRole],
     tracker: DeltaCompressionTracker,
     client: ZmqSparseRefitClient,
     version: int,
@@ -475,7 +476,7 @@ def produce(
             compress=producing.compress,
         )
     )
-    producer = LocalParticipant(shard, "producer 0")
+    producer = LocalParticipant[ShardProducerRole](shard, "producer 0")
     tuning = producing.tuning
     coordinator = RelayCoordinator(api_key=None, timeout_s=60.0, tuning=tuning)
     client = ZmqSparseRefitClient(

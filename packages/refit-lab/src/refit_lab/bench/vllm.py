@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
+from refit_core import NamedTensor, StateDictInfo
 from refit_core.sources import StateDictSource
-from refit_core.types import NamedTensor, StateDictInfo
 from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
 from refit_lab.bench.runtime import ChildGroup, Deadline
 from refit_lab.bench.vllm_inplace import measure_in_place

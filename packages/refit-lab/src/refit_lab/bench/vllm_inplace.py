@@ -73,8 +73,8 @@ def measure_in_place(paths: Mapping[str, str], rounds: int, threads: int) -> dic
         load_checkpoint_weight_patches,
     )
 
-    from refit_core.checkpoint import checkpoint_specs
-    from refit_core.types import TensorSpec, WeightVersion
+    from refit_core import TensorSpec, WeightVersion
+    from refit_core.backend import checkpoint_specs
     from refit_lab.ray_cluster import free_port
     from refit_zmq.tracker import DeltaCompressionTracker
     from refit_zmq.vllm.delta_receiver import StagedDeltas

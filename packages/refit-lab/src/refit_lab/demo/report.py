@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refit_core.text import align_columns
+from refit_core.backend import align_columns
 
 __all__ = ["DemoReport", "RefitRecord"]
 

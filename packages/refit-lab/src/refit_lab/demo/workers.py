@@ -16,7 +16,7 @@ import ray
 import torch
 
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_nccl.endpoint import EngineEndpoint
+from refit_nccl import EngineEndpoint
 from refit_zmq.ipc import IpcReceiver
 from refit_zmq.sparse import EngineRelay
 

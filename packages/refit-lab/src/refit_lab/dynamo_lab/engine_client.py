@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from refit_core import CollectiveSenderSpec, Deadline, TensorSpec
+from refit_core import TensorSpec
+from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_nccl import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
+from refit_nccl.backend import AbortableProcessGroup, GroupSpec, TransferPlan, receive_packed
 
 __all__ = ["RECEIVER_ENV", "Fault", "ReferenceEngineClient"]
 

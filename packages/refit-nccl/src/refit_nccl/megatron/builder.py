@@ -15,8 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from refit_core import SynchronizerRequest
-from refit_core.protocols import ClusterLike
+from refit_core.backend import RendezvousCluster, SynchronizerRequest
 from refit_nccl.megatron.layout import ParamLayout
 from refit_nccl.megatron.plan import ReshardPlan, plan_reshard
 from refit_nccl.megatron.synchronizer import MegatronWeightSynchronizer
@@ -70,7 +69,7 @@ def _build(request: SynchronizerRequest, *, colocated: bool) -> MegatronWeightSy
         process,
         policy.megatron_shards,
         generation.megatron_shards,
-        cluster.get_master_address_and_port if isinstance(cluster, ClusterLike) else None,
+        cluster.get_master_address_and_port if isinstance(cluster, RendezvousCluster) else None,
         refit_timeout_s=request.refit_timeout_s,
     )
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core import Deadline, RefitTimeoutError
+from refit_core import RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.megatron.plan import Copy, ReshardPlan
 

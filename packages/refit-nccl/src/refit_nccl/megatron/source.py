@@ -28,17 +28,19 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from refit_core import Deadline, GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec
-from refit_core.sources import Bucket, CollectiveOrderGuard, NameMap
-from refit_core.sources.cast import ENGINE_DTYPES, cast_once
-from refit_core.sources.plan import (
+from refit_core import GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec
+from refit_core.backend import (
+    ENGINE_DTYPES,
+    Deadline,
     Unit,
     build_plan,
+    cast_once,
     fingerprint,
     materialize,
     pack_buckets,
     plan_info,
 )
+from refit_core.sources import Bucket, CollectiveOrderGuard, NameMap
 from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.megatron.executor import execute_reshard
 from refit_nccl.megatron.gpt import GPTConfig, Parallelism, gpt_layouts

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from refit_core import Deadline, RefitResult, WeightSynchronizer
+from refit_core import RefitResult, WeightSynchronizer
+from refit_core.backend import Deadline
 from refit_nccl.backends import Backend
 from refit_nccl.devices import DeviceType
 from refit_nccl.group import AbortableProcessGroup, GroupSpec

@@ -13,8 +13,9 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from refit_core import errors
-from refit_core.errors import ProtocolError, Recovery, RefitError, WorkerError
+from refit_core import BackendNotInstalledError, ProtocolError, Recovery, RefitError, WorkerError
+from refit_core.backend import refit_error_type, role_methods
+from refit_nccl.roles import CollectiveEngineRole
 
 __all__ = [
     "ENDPOINT_METHODS",
@@ -25,19 +26,8 @@ __all__ = [
     "reply_partial",
 ]
 
-ENDPOINT_METHODS = frozenset(
-    {
-        "refit_device",
-        "refit_geometry",
-        "refit_plan",
-        "refit_join",
-        "refit_transfer",
-        "refit_commit",
-        "refit_abort",
-        "refit_status",
-    }
-)
-"""The :class:`~refit_nccl.endpoint.EngineEndpoint` methods a controller may call."""
+ENDPOINT_METHODS = role_methods(CollectiveEngineRole)
+"""The methods of the engine role a controller may call."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +109,10 @@ def decode_reply(data: bytes, worker: str, method: str) -> Any:
     if reply.error_type is None:
         return reply.result
     name = "RefitTimeoutError" if reply.error_type == "TimeoutError" else reply.error_type
-    error_type = getattr(errors, name, None)
+    error_type = refit_error_type(name)
     message = f"{worker}: {method}: {reply.error_message}"
     recovery = None if reply.recovery is None else Recovery(reply.recovery)
-    if (
-        isinstance(error_type, type)
-        and issubclass(error_type, RefitError)
-        and error_type not in (WorkerError, errors.BackendNotInstalledError)
-    ):
+    if error_type is not None and error_type not in (WorkerError, BackendNotInstalledError):
         raise error_type(message, recovery=recovery)
     raise WorkerError(
         f"{reply.error_type}: {reply.error_message}",

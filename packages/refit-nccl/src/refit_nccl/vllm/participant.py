@@ -24,18 +24,19 @@ from concurrent.futures import Future
 from typing import Any
 
 from refit_core import EngineReport, EngineState, RefitError, WorkerError
-from refit_core.errors import with_engines
-from refit_core.participants import Participant
+from refit_core.backend import Participant, in_thread, method_name, with_engines
 from refit_core.vllm import VllmGate
-from refit_nccl.endpoint import JoinRequest
-from refit_nccl.futures import in_thread
+from refit_nccl.roles import CollectiveEngineRole, JoinRequest
 from refit_nccl.vllm.calls import decode_reply, encode_call, reply_partial
 
 __all__ = ["VllmCollectiveGeneration", "VllmWorkerParticipant"]
 
 logger = logging.getLogger(__name__)
 
-_WRITES = frozenset({"refit_transfer", "refit_commit"})
+_COMMIT = method_name(CollectiveEngineRole.refit_commit)
+_TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
+_JOIN = method_name(CollectiveEngineRole.refit_join)
+_WRITES = frozenset({_TRANSFER, _COMMIT})
 
 
 class _EngineCalls:
@@ -104,7 +105,7 @@ class _EngineCalls:
         requests = [encode_call(method, batch[rank][1]) for rank in range(self.workers)]
         try:
             with self._rpc_lock:
-                if method == "refit_commit" or (method == "refit_transfer" and not self._staged):
+                if method == _COMMIT or (method == _TRANSFER and not self._staged):
                     self.gate.close()
                 replies: list[bytes] = self._llm.collective_rpc(
                     "refit_nccl_call", timeout=self._timeout_s(method, args), args=(requests,)
@@ -141,7 +142,7 @@ class _EngineCalls:
             return outcomes
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if not failed:
-            if method == "refit_commit":
+            if method == _COMMIT:
                 self.gate.open(int(outcomes[0]))
             return outcomes
         partial = any(reply_partial(r, self.label) for r in replies)
@@ -151,16 +152,16 @@ class _EngineCalls:
 
     def _timeout_s(self, method: str, args: tuple[Any, ...]) -> float | None:
         """The RPC's bound: the call's own deadline plus grace, else the control timeout."""
-        if method == "refit_transfer":
+        if method == _TRANSFER:
             left: float | None = args[1]
-        elif method == "refit_join" and isinstance(args[0], JoinRequest):
+        elif method == _JOIN and isinstance(args[0], JoinRequest):
             left = args[0].timeout_s
         else:
             return self._control_timeout_s
         return None if left is None else left + self._grace_s
 
 
-class VllmWorkerParticipant(Participant):
+class VllmWorkerParticipant(Participant[CollectiveEngineRole]):
     """One worker (tensor-parallel rank) of a vLLM engine as a collective participant."""
 
     def __init__(self, engine: _EngineCalls, rank: int) -> None:
@@ -173,10 +174,16 @@ class VllmWorkerParticipant(Participant):
         """The engine object and the rank: a restarted engine is another object."""
         return (id(self._engine), self._rank)
 
-    def call(self, method: str, *args: object) -> Future[Any]:
+    def _start(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Future[Any]:
         """Run the endpoint call on this worker (with its engine's other workers); never
-        blocks."""
-        return self._engine.submit(self._rank, method, args)
+        blocks.
+
+        Raises:
+            TypeError: keyword arguments (calls cross vLLM's RPC positionally).
+        """
+        if kwargs:
+            raise TypeError(f"{name}: calls over vLLM's RPC take positional arguments only")
+        return self._engine.submit(self._rank, name, args)
 
     def close(self) -> None:
         """Nothing to release: the engine belongs to whoever started it."""
@@ -209,7 +216,7 @@ class VllmCollectiveGeneration:
         control_timeout_s: float = 120.0,
         grace_s: float = 30.0,
     ) -> None:
-        self._shards: dict[int, list[Participant]] = {}
+        self._shards: dict[int, list[Participant[CollectiveEngineRole]]] = {}
         init: dict[str, Any] = {"staged": staged}
         if buffer_size_bytes is not None:
             init["buffer_size_bytes"] = buffer_size_bytes
@@ -229,6 +236,6 @@ class VllmCollectiveGeneration:
             )
             self._shards[shard] = [VllmWorkerParticipant(engine, r) for r in range(workers)]
 
-    def collective_shards(self) -> Mapping[int, Sequence[Participant]]:
+    def collective_shards(self) -> Mapping[int, Sequence[Participant[CollectiveEngineRole]]]:
         """Shard index -> its workers' participants (the same objects on every call)."""
         return self._shards

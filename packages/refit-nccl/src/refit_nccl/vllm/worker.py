@@ -14,11 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit_core import RefitError
+from refit_core.backend import method_name
+from refit_nccl.roles import CollectiveEngineRole
 from refit_nccl.vllm.calls import decode_call, encode_reply
 
 __all__ = ["CollectiveWorkerExtension"]
 
 logger = logging.getLogger(__name__)
+
+_TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
+_COMMIT = method_name(CollectiveEngineRole.refit_commit)
 
 
 class CollectiveWorkerExtension:
@@ -41,9 +46,9 @@ class CollectiveWorkerExtension:
                     "weight_transfer_config={'backend': 'refit_nccl'}"
                 )
             method, args = decode_call(requests[worker.rank])
-            if method == "refit_transfer":
+            if method == _TRANSFER:
                 result = self._refit_nccl_session({"version": args[0], "timeout_s": args[1]})
-            elif method == "refit_commit":
+            elif method == _COMMIT:
                 if receiver.loading.staged:
                     self._refit_nccl_session({"version": args[0], "apply": True})
                 result = receiver.endpoint.refit_commit(*args)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import Store
 
-from refit_nccl.futures import in_thread
+from refit_core.backend import in_thread
 from refit_nccl.vllm_native.availability import require_vllm_nccl
 
 __all__ = ["VllmNcclCommunicator"]

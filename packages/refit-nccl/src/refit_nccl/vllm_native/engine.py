@@ -23,18 +23,18 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from refit_core import CollectiveSenderSpec, GeometryMismatchError
-from refit_core.participants import LocalParticipant, Participant
-from refit_core.protocols import PolicyLike
+from refit_core import GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant, PolicyLike
 from refit_nccl.devices import DeviceReport
-from refit_nccl.driven import DrivenRankParticipant
-from refit_nccl.endpoint import JoinRequest
+from refit_nccl.driven import DrivenRankEndpoint, DrivenRankParticipant
 from refit_nccl.geometry import VLLM_DOCUMENTED_GEOMETRY, require_vllm_defaults
+from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest
 from refit_nccl.vllm_native.payloads import nccl_init_info, nccl_update_info
 from refit_nccl.vllm_peer import VllmPeerTrainer
 
 __all__ = [
     "LLMWeightSyncClient",
+    "VllmNativeEndpoint",
     "VllmNativeGeneration",
     "VllmNativeParticipant",
     "WeightSyncClient",
@@ -84,8 +84,9 @@ def vllm_geometry() -> CollectiveSenderSpec:
     return require_vllm_defaults(VLLM_DOCUMENTED_GEOMETRY)
 
 
-class VllmNativeParticipant(DrivenRankParticipant):
-    """Engine rank ``local_rank`` of the vLLM engine behind ``client``.
+class VllmNativeEndpoint(DrivenRankEndpoint):
+    """Engine rank ``local_rank`` of the vLLM engine behind ``client``, playing the engine
+    role through vLLM's weight-sync surface (run by :class:`VllmNativeParticipant`).
 
     Args:
         client: the engine's weight-sync surface.
@@ -140,6 +141,19 @@ class VllmNativeParticipant(DrivenRankParticipant):
             reset()
 
 
+class VllmNativeParticipant(DrivenRankParticipant):
+    """A :class:`VllmNativeEndpoint` as the controller reaches it (each call on a thread)."""
+
+    def __init__(
+        self,
+        client: WeightSyncClient,
+        label: str,
+        local_rank: int,
+        geometry: CollectiveSenderSpec,
+    ) -> None:
+        super().__init__(VllmNativeEndpoint(client, label, local_rank, geometry))
+
+
 class VllmNativeGeneration:
     """Unmodified vLLM engines on vLLM's NCCL weight transfer, as the collective row's
     ``generation``: shard ``i`` is engine ``i`` with ``engine_world_size`` ranks.
@@ -156,7 +170,7 @@ class VllmNativeGeneration:
         if engine_world_size < 1:
             raise ValueError(f"engine_world_size must be >= 1, got {engine_world_size}")
         geometry = vllm_geometry()
-        self._shards = {
+        self._shards: dict[int, list[Participant[CollectiveEngineRole]]] = {
             index: [
                 VllmNativeParticipant(client, f"vllm engine {index}", rank, geometry)
                 for rank in range(engine_world_size)
@@ -164,10 +178,12 @@ class VllmNativeGeneration:
             for index, client in enumerate(clients)
         }
 
-    def collective_shards(self) -> Mapping[int, Sequence[Participant]]:
+    def collective_shards(self) -> Mapping[int, Sequence[Participant[CollectiveEngineRole]]]:
         """Shard index -> its participants (the same objects on every call)."""
         return self._shards
 
-    def collective_trainers_for(self, policy: PolicyLike) -> list[Participant]:
+    def collective_trainers_for(
+        self, policy: PolicyLike
+    ) -> list[Participant[CollectiveTrainerRole]]:
         """The trainer side these engines need: one sender speaking vLLM's protocol."""
-        return [LocalParticipant(VllmPeerTrainer(policy), "trainer 0")]
+        return [LocalParticipant[CollectiveTrainerRole](VllmPeerTrainer(policy), "trainer 0")]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from refit_core import CollectiveSenderSpec, StateDictInfo
+from refit_core import StateDictInfo
+from refit_core.backend import CollectiveSenderSpec
 from refit_nccl.vllm_native.availability import require_vllm_nccl
 
 __all__ = ["nccl_init_info", "nccl_update_info"]

@@ -7,6 +7,7 @@ Producers encode with :class:`refit_zmq.tracker.DeltaCompressionTracker`; receiv
 
 from refit_zmq.codec.apply import AppliedPayload, apply_payload, check_item
 from refit_zmq.codec.buffers import unpack_buffer
+from refit_zmq.codec.device_diff import fetch_diff
 from refit_zmq.codec.digest import tensor_digest
 from refit_zmq.codec.format import (
     PRELUDE_BYTES,
@@ -50,6 +51,7 @@ __all__ = [
     "check_item",
     "decode_locations",
     "decode_payload",
+    "fetch_diff",
     "head_length",
     "read_layout",
     "tensor_digest",

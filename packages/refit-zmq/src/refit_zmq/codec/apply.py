@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refit_core.errors import GeometryMismatchError, StaleBaseError
-from refit_core.types import WeightVersion
+from refit_core import GeometryMismatchError, StaleBaseError, WeightVersion
 from refit_zmq.codec.buffers import unpack_buffer
 from refit_zmq.codec.digest import tensor_digest
 from refit_zmq.codec.dtypes import int_dtype, int_view, unsigned_numpy_dtype

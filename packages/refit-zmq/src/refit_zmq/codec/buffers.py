@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import zstandard
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.codec.format import BufferCodec, BufferInfo, BytesLike, PlaneInfo, StoredBuffer
 
 __all__ = ["KEEP_RATIO", "MIN_COMPRESS_BYTES", "pack_buffer", "unpack_buffer"]

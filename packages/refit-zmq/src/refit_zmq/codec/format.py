@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ChecksumMismatchError, ProtocolError, WeightVersion
 from refit_zmq.codec.dtypes import dtype_code, dtype_from_code
 
 __all__ = [

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.codec.dtypes import unsigned_numpy_dtype
 from refit_zmq.codec.format import Encoding, ItemHeader
 

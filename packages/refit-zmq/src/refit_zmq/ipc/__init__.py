@@ -15,6 +15,7 @@ Trainer side: :class:`IpcWeightSynchronizer` (built by the factory through
 """
 
 from refit_zmq.ipc.builder import IpcGeneration, build_ipc_synchronizer
+from refit_zmq.ipc.links import WorkerLinks
 from refit_zmq.ipc.receiver import IpcEngine, IpcReceiver
 from refit_zmq.ipc.synchronizer import IpcOptions, IpcWeightSynchronizer
 
@@ -24,5 +25,6 @@ __all__ = [
     "IpcOptions",
     "IpcReceiver",
     "IpcWeightSynchronizer",
+    "WorkerLinks",
     "build_ipc_synchronizer",
 ]

@@ -4,7 +4,8 @@
 lists the control addresses of its workers' :class:`~refit_zmq.ipc.IpcReceiver`
 (:class:`IpcGeneration`), and opens their sessions around each refit where they need one
 (:class:`~refit_zmq.ipc.synchronizer.RefitSessions`: vLLM engines). ``refit_buffer_size_gb``
-sizes each of the two buffers.
+(GiB) sizes each of the two buffers; ``options`` (:class:`~refit_zmq.ipc.IpcOptions`) sets the
+rest.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from refit_core.protocols import PolicyLike
-from refit_core.registry import SynchronizerRequest
+from refit_core.backend import PolicyLike, SynchronizerRequest
 from refit_zmq.ipc.synchronizer import IpcOptions, IpcWeightSynchronizer, RefitSessions
 
 __all__ = ["IpcGeneration", "build_ipc_synchronizer"]
@@ -45,6 +45,8 @@ def build_ipc_synchronizer(request: SynchronizerRequest) -> IpcWeightSynchronize
         policy,
         generation.ipc_addresses,
         refit_timeout_s=request.refit_timeout_s,
-        options=IpcOptions(buffer_size_bytes=request.refit_buffer_size_bytes),
+        options=request.with_buffer_size(
+            request.options_as(IpcOptions) or IpcOptions(), "buffer_size_bytes"
+        ),
         sessions=generation if isinstance(generation, RefitSessions) else None,
     )

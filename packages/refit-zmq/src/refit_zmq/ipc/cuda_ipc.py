@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 
 __all__ = ["CudaHandle", "attach_cuda", "share_cuda"]
 

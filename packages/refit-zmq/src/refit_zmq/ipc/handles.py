@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.ipc.cuda_ipc import CudaHandle, attach_cuda, share_cuda
 from refit_zmq.ipc.protocol import require
 from refit_zmq.ipc.shm import ShmBuffer, ShmHandle, attach_shm

@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from refit_core.deadline import Deadline
-from refit_core.errors import ProtocolError, RefitError, RefitTimeoutError
+from refit_core import ProtocolError, RefitError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_zmq.ipc.protocol import decode, encode, error_for_reply
 
 __all__ = ["WorkerLinks"]

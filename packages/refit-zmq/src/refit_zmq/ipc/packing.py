@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import GeometryMismatchError
-from refit_core.types import NamedTensor, TensorSpec
+from refit_core import GeometryMismatchError, NamedTensor, TensorSpec
 from refit_zmq.ipc.handles import SharedBuffer
 from refit_zmq.ipc.protocol import Item, Op, slot_bytes
 from refit_zmq.ipc.sizing import ALIGN_BYTES, align_up

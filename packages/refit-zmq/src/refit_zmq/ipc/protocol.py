@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import (
+from refit_core import (
     GeometryMismatchError,
     ProtocolError,
     RefitError,
     StaleBaseError,
+    TensorSpec,
     WorkerError,
 )
-from refit_core.types import TensorSpec
 
 __all__ = [
     "PROTOCOL",

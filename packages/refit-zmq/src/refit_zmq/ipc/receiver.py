@@ -21,15 +21,15 @@ from typing import Any, Protocol
 import torch
 import zmq
 
-from refit_core.deadline import Deadline
-from refit_core.errors import (
+from refit_core import (
     ProtocolError,
     RefitAbortedError,
     RefitError,
     RefitTimeoutError,
     StaleBaseError,
+    TensorSpec,
 )
-from refit_core.types import TensorSpec
+from refit_core.backend import Deadline
 from refit_zmq.ipc.handles import attach, handle_from_json
 from refit_zmq.ipc.protocol import (
     PROTOCOL,

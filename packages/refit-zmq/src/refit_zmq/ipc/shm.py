@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 
 __all__ = ["ShmBuffer", "ShmHandle", "attach_shm"]
 

@@ -18,17 +18,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from refit_core.deadline import Deadline
-from refit_core.errors import (
+from refit_core import (
+    Deadline,
     EngineReport,
     RefitAbortedError,
     RefitError,
+    RefitResult,
     RefitTimeoutError,
-    with_engines,
+    TensorSpec,
+    WeightSynchronizer,
+    WorkerOutcome,
 )
-from refit_core.protocols import PolicyLike
-from refit_core.synchronizer import WeightSynchronizer
-from refit_core.types import RefitResult, TensorSpec, WorkerOutcome
+from refit_core.backend import PolicyLike, with_engines
 from refit_zmq.ipc.links import WorkerLinks
 from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
@@ -113,6 +114,11 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         self._links: WorkerLinks | None = None
         self._session = ""
         self._stale = False
+
+    @property
+    def options(self) -> IpcOptions:
+        """The options this synchronizer runs with."""
+        return self._options
 
     # -- hooks ---------------------------------------------------------------------------
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from refit_core.errors import GeometryMismatchError, ProtocolError
-from refit_core.types import TensorSpec
+from refit_core import GeometryMismatchError, ProtocolError, TensorSpec
 from refit_zmq.ipc.protocol import Item, slot_bytes
 from refit_zmq.ipc.sizing import ALIGN_BYTES
 

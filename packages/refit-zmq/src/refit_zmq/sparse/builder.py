@@ -4,8 +4,9 @@
 :class:`~refit_zmq.relay.ShardProducer`'s ``refit_*`` methods (:class:`ZmqProducerPolicy`: each
 rank streams its own shard) or a plain ``PolicyLike`` in the controller's process (its shards
 stream from threads here); ``generation`` lists the relays that run beside its engine workers
-(:class:`ZmqRelayGeneration`). The API key is taken from ``REFIT_ZMQ_API_KEY`` and CURVE keys
-from ``REFIT_ZMQ_CURVE_*`` when those are set; ``refit_buffer_size_gb`` bounds a payload.
+(:class:`ZmqRelayGeneration`). Without ``options``, the API key is taken from
+``REFIT_ZMQ_API_KEY`` and CURVE keys from ``REFIT_ZMQ_CURVE_*`` when those are set;
+``refit_buffer_size_gb`` (GiB) bounds a payload.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from refit_core.participants import ActorParticipant, LocalParticipant, Participant
-from refit_core.protocols import PolicyLike
-from refit_core.registry import SynchronizerRequest
-from refit_zmq.relay import ShardProducer
+from refit_core.backend import (
+    ActorParticipant,
+    LocalParticipant,
+    Participant,
+    PolicyLike,
+    SynchronizerRequest,
+)
+from refit_zmq.relay import ShardProducer, ShardProducerRole
 from refit_zmq.sparse.synchronizer import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
 __all__ = [
@@ -66,7 +71,10 @@ def build_zmq_sparse_synchronizer(request: SynchronizerRequest) -> ZmqSparseWeig
     generation = request.generation
     if not isinstance(generation, ZmqRelayGeneration):
         raise ValueError("generation must provide relay_addresses() (relays beside its workers)")
-    options = ZmqSparseOptions.from_env(bucket_size_bytes=request.refit_buffer_size_bytes)
+    given = request.options_as(ZmqSparseOptions)
+    options = request.with_buffer_size(
+        ZmqSparseOptions.from_env() if given is None else given, "bucket_size_bytes"
+    )
     return ZmqSparseWeightSynchronizer(
         shard_producers(request.policy, options.shard_count),
         generation.relay_addresses,
@@ -76,7 +84,7 @@ def build_zmq_sparse_synchronizer(request: SynchronizerRequest) -> ZmqSparseWeig
     )
 
 
-def shard_producers(policy: object, shard_count: int) -> list[Participant]:
+def shard_producers(policy: object, shard_count: int) -> list[Participant[ShardProducerRole]]:
     """The producers of ``policy``: its Ray ranks, or ``shard_count`` local ones.
 
     Raises:
@@ -84,9 +92,13 @@ def shard_producers(policy: object, shard_count: int) -> list[Participant]:
     """
     if isinstance(policy, ZmqProducerPolicy):
         handles = policy.zmq_producers()
-        return [ActorParticipant(h, f"trainer rank {r}") for r, h in enumerate(handles)]
+        return [
+            ActorParticipant[ShardProducerRole](h, f"trainer rank {r}")
+            for r, h in enumerate(handles)
+        ]
     if isinstance(policy, PolicyLike):
         return [
-            LocalParticipant(ShardProducer(policy), f"producer {r}") for r in range(shard_count)
+            LocalParticipant[ShardProducerRole](ShardProducer(policy), f"producer {r}")
+            for r in range(shard_count)
         ]
     raise ValueError("policy must provide zmq_producers() (Ray trainer ranks) or weight_source()")

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from refit_core.engine_hooks import notify
+from refit_core.backend import notify
 from refit_zmq.relay import CurveConfig, RelayTuning, TensorReceiver, ZmqSparseRefitServer
 
 __all__ = ["EngineRelay", "RelayEngine"]

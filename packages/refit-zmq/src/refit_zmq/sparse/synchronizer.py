@@ -14,26 +14,30 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
-from refit_core.deadline import Deadline
-from refit_core.errors import (
+from refit_core import (
+    EngineHealth,
     EngineReport,
     EngineState,
+    EngineStatus,
+    FleetStatus,
     RefitError,
+    RefitResult,
     RefitTimeoutError,
+    WeightSynchronizer,
     WorkerError,
+    WorkerOutcome,
 )
-from refit_core.fleet import EngineHealth, EngineStatus, FleetStatus
-from refit_core.participants import Participant, gather
-from refit_core.synchronizer import WeightSynchronizer
-from refit_core.types import RefitResult, WorkerOutcome
+from refit_core.backend import Deadline, Participant, gather
 from refit_zmq.relay import (
     CurveConfig,
     RelayCoordinator,
     RelayStatus,
     RelayTuning,
+    ShardProducerRole,
     TransferOptions,
     TransferResult,
     run_transfer,
@@ -43,6 +47,8 @@ from refit_zmq.relay.wire.auth import api_key_from_env
 from refit_zmq.tracker import TrackerConfig
 
 __all__ = ["API_KEY_ENV", "ZmqSparseOptions", "ZmqSparseWeightSynchronizer"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +114,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
 
     def __init__(
         self,
-        producers: Sequence[Participant],
+        producers: Sequence[Participant[ShardProducerRole]],
         relays: Callable[[], Sequence[str]],
         *,
         refit_timeout_s: float | None = None,
@@ -125,6 +131,11 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         self._coordinator: RelayCoordinator | None = None
         self._shards: dict[str, int] = {}
         self._stale = False
+
+    @property
+    def options(self) -> ZmqSparseOptions:
+        """The options this synchronizer runs with."""
+        return self._options
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -152,8 +163,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         count = len(self._producers)
         self._on_producers(
             "refit_init",
-            deadline,
-            lambda rank: (
+            lambda producer, rank: producer.call(
+                ShardProducerRole.refit_init,
                 TrackerConfig(
                     shard_rank=rank,
                     shard_count=count,
@@ -161,26 +172,27 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                     max_item_bytes=item_bytes,
                 ),
             ),
+            deadline,
         )
 
     def _on_producers(
         self,
         method: str,
+        start: Callable[[Participant[ShardProducerRole], int], Future[_T]],
         deadline: Deadline,
-        arguments: Callable[[int], tuple[object, ...]] = lambda rank: (),
         *,
         count: int | None = None,
         engines: Sequence[EngineReport] = (),
-    ) -> list[Any]:
-        """Call ``method`` on the first ``count`` producers (default: all) within the
-        deadline; their answers, in rank order.
+    ) -> list[_T]:
+        """Call ``method`` (``start(producer, rank)``) on the first ``count`` producers
+        (default: all) within the deadline; their answers, in rank order.
 
         Raises:
             RefitTimeoutError: a producer did not answer (named as wedged), with ``engines``.
             WorkerError: a producer failed (a dead trainer rank), with ``engines``.
         """
         producers = self._producers[:count]
-        calls = {p: p.call(method, *arguments(rank)) for rank, p in enumerate(producers)}
+        calls = {p: start(p, rank) for rank, p in enumerate(producers)}
         gathered = gather(calls, deadline.timeout_for(self._options.call_timeout_s))
         if gathered.missing:
             labels = [p.label for p in gathered.missing]
@@ -226,7 +238,14 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         untouched = tuple(
             EngineReport(self._tree_shards()[a], a, EngineState.OLD, v) for a, v in versions.items()
         )
-        baselines = set(self._on_producers("refit_version", deadline, engines=untouched))
+        baselines = set(
+            self._on_producers(
+                "refit_version",
+                lambda producer, _: producer.call(ShardProducerRole.refit_version),
+                deadline,
+                engines=untouched,
+            )
+        )
         committed = baselines.pop() if len(baselines) == 1 else None
         behind = sorted(a for a, v in versions.items() if v != committed)
         if behind and committed is not None:
@@ -238,7 +257,13 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             )
         options = self._options
         expected = (
-            self._on_producers("refit_digests", deadline, count=1, engines=untouched)[0]
+            self._on_producers(
+                "refit_digests",
+                lambda producer, _: producer.call(ShardProducerRole.refit_digests),
+                deadline,
+                count=1,
+                engines=untouched,
+            )[0]
             if options.verify_digests
             else None
         )
@@ -343,7 +368,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _shutdown(self) -> None:
         if self._coordinator is not None:
             self._coordinator.close()
-        calls = {p: p.call("refit_close") for p in self._producers}
+        calls = {p: p.call(ShardProducerRole.refit_close) for p in self._producers}
         gather(calls, self._options.call_timeout_s)
         for producer in self._producers:
             producer.close()

@@ -12,8 +12,7 @@ from typing import Literal, Self
 import numpy as np
 import torch
 
-from refit_core.errors import GeometryMismatchError
-from refit_core.types import NamedTensor, StateDictInfo, TensorSpec, WeightVersion
+from refit_core import GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec, WeightVersion
 from refit_zmq.codec.dtypes import int_view
 from refit_zmq.codec.format import DeltaPayload
 from refit_zmq.codec.spans import read_span

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from refit_core.types import WeightVersion
+from refit_core import WeightVersion
 from refit_zmq.codec.buffers import pack_buffer
 from refit_zmq.codec.device_diff import fetch_diff
 from refit_zmq.codec.diff import diff_range

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core.types import StateDictInfo, TensorSpec
+from refit_core import StateDictInfo, TensorSpec
 from refit_zmq.codec.dtypes import dtype_code
 
 __all__ = ["ALIGN_ELEMENTS", "ItemSpan", "plan_items", "shard_items"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from refit_core.errors import GeometryMismatchError
+from refit_core import GeometryMismatchError
 from refit_zmq.tracker.plan import ItemSpan
 
 __all__ = ["BaselineStore", "DeviceBaselines"]

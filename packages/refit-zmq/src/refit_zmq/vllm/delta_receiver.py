@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from refit_core.errors import ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ProtocolError, WeightVersion
 from refit_zmq.codec import DecodedItem, check_item, decode_locations, decode_payload, unpack_buffer
 from refit_zmq.codec.dtypes import unsigned_numpy_dtype
 from refit_zmq.relay import (

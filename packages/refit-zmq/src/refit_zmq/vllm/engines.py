@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core.errors import EngineReport, EngineState, WorkerError
+from refit_core import EngineReport, EngineState, WorkerError
 from refit_core.vllm import VllmGate
 
 __all__ = ["VllmEngine", "call_workers", "start_receivers"]

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from refit_core.checkpoint import checkpoint_specs
-from refit_core.errors import RefitError
-from refit_core.types import dtype_name
+from refit_core import RefitError
+from refit_core.backend import checkpoint_specs, dtype_name
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_zmq.ipc import IpcReceiver
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from refit_core.errors import EngineReport, RefitError, with_engines
+from refit_core import EngineReport, RefitError
+from refit_core.backend import with_engines
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmIpcGeneration"]

@@ -29,9 +29,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader import get_model_loader
 
-from refit_core.checkpoint import checkpoint_specs
-from refit_core.errors import RefitError
-from refit_core.types import dtype_name
+from refit_core import RefitError
+from refit_core.backend import checkpoint_specs, dtype_name
 from refit_core.vllm.loading import CheckpointLoading
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import CurveConfig, ZmqSparseRefitServer

@@ -15,7 +15,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core.errors import EngineReport, EngineState, Recovery, RefitError, with_engines
+from refit_core import EngineReport, EngineState, Recovery, RefitError
+from refit_core.backend import with_engines
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmRelayGeneration"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.codec import ItemHeader, UndoEntry, UndoLog
 from refit_zmq.codec.dtypes import int_dtype, int_view
 from refit_zmq.codec.scatter import gather, read_range, scatter, write_range

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 
 __all__ = ["ZmqWorkerExtension"]
 

@@ -18,7 +18,7 @@ import torch
 from refit_core import Deadline, RefitAbortedError, RefitTimeoutError
 from refit_lab.device_check.timing import GiB, cuda_gbps
 from refit_lab.ray_cluster import free_port
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.backend import AbortableProcessGroup, GroupSpec
 
 __all__ = ["DEADLINE_S", "absent_peer", "run", "single_rank_group"]
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from refit_core.errors import ChecksumMismatchError, ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ChecksumMismatchError, ProtocolError, WeightVersion
 from refit_zmq.codec import (
     PRELUDE_BYTES,
     BufferCodec,

@@ -16,8 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from refit_core.errors import ProtocolError
-from refit_core.types import WeightVersion
+from refit_core import ProtocolError, WeightVersion
 from refit_zmq.codec import ItemHeader, PayloadLayout, UndoLog, tensor_digest
 from refit_zmq.codec.undo_arena import UndoArena
 from refit_zmq.relay.apply.payload_stream import ByteViews, PayloadStream, StreamResult

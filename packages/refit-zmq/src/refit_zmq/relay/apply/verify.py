@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from refit_core.errors import VerificationError
+from refit_core import VerificationError
 from refit_zmq.codec import ItemHeader, decode_locations
 from refit_zmq.codec.dtypes import int_view, unsigned_numpy_dtype
 

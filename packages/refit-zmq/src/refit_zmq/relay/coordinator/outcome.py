@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from refit_core.errors import (
+from refit_core import (
     ChecksumMismatchError,
     EngineReport,
     EngineState,

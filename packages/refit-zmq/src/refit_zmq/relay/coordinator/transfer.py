@@ -14,16 +14,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from refit_core.deadline import Deadline
-from refit_core.errors import EngineState, RefitError, RefitTimeoutError, WorkerError
-from refit_core.participants import Participant, gather
+from refit_core import EngineState, RefitError, RefitTimeoutError, WorkerError
+from refit_core.backend import Deadline, Participant, gather, method_name
 from refit_zmq.relay.coordinator.coordinator import (
     DECISION_GRACE_S,
     RelayCoordinator,
     new_transfer_id,
 )
 from refit_zmq.relay.coordinator.outcome import TransferOutcome
-from refit_zmq.relay.producer.shard import StreamOrder, TransferOptions
+from refit_zmq.relay.producer.shard import ShardProducerRole, StreamOrder, TransferOptions
 
 __all__ = ["TransferResult", "run_transfer"]
 
@@ -51,7 +50,7 @@ class TransferResult:
 
 def run_transfer(
     coordinator: RelayCoordinator,
-    producers: Sequence[Participant],
+    producers: Sequence[Participant[ShardProducerRole]],
     *,
     target_version: int,
     resync: bool,
@@ -81,7 +80,10 @@ def run_transfer(
         transfer_id, coordinator.relays, target_version, resync, options, deadline.remaining_s()
     )
     started = time.monotonic()
-    streams = gather({p: p.call("refit_stream", order) for p in producers}, deadline.remaining_s())
+    streams = gather(
+        {p: p.call(ShardProducerRole.refit_stream, order) for p in producers},
+        deadline.remaining_s(),
+    )
     streamed = time.monotonic()
     if not streams.ok:
         logger.warning("transfer %s: a producer failed; aborting", transfer_id)
@@ -114,22 +116,23 @@ def _settle_s(options: TransferOptions, deadline: Deadline) -> float:
 
 
 def _settle(
-    producers: Sequence[Participant], *, commit: bool, wait_s: float | None
+    producers: Sequence[Participant[ShardProducerRole]], *, commit: bool, wait_s: float | None
 ) -> tuple[str, ...]:
     """Commit or abort the producers' trackers; the labels of those that did not confirm.
 
     A producer still streaming when the transfer failed is not told: its stream fails on the
     aborted transfer and aborts its tracker itself (or its next stream drops the leftover)."""
-    method = "refit_commit" if commit else "refit_abort"
+    method = ShardProducerRole.refit_commit if commit else ShardProducerRole.refit_abort
     settled = gather({p: p.call(method) for p in producers}, wait_s)
     failed = (*settled.errors, *settled.missing)
     if failed:
-        logger.warning("%s failed on producers %s", method, [p.label for p in failed])
+        what = "commit" if commit else "abort"
+        logger.warning("%s failed on producers %s", what, [p.label for p in failed])
     return tuple(p.label for p in failed)
 
 
 def _producer_error(
-    errors: Mapping[Participant, BaseException],
+    errors: Mapping[Participant[ShardProducerRole], BaseException],
     missing: Sequence[str],
     aborted: TransferOutcome,
     shards: Mapping[str, int],
@@ -161,7 +164,10 @@ def _producer_error(
         failed = WorkerError(
             first_line,
             worker=participant.label,
-            operation=f"refit_stream (transfer {aborted.transfer_id} aborted)",
+            operation=(
+                f"{method_name(ShardProducerRole.refit_stream)} "
+                f"(transfer {aborted.transfer_id} aborted)"
+            ),
             engines=engines,
             wedged_workers=unknown,
         )

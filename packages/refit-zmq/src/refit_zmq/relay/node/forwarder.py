@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
+from refit_core import AuthenticationError, ProtocolError, RefitTimeoutError
 from refit_zmq.relay.node.staging import PayloadKey, StagedPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.errors import RETRYABLE, NackCode

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 import zmq
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay.apply.receiver import Receiver
 from refit_zmq.relay.node.forwarder import ChildLink, Forward
 from refit_zmq.relay.node.jobs import ReceiverJobs

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from refit_core.errors import RefitError
+from refit_core import RefitError
 from refit_zmq.relay.node.jobs import ReceiverJobs
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.control import ControlChannel, Reply

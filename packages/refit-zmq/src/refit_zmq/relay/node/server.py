@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import AuthenticationError, ProtocolError, RefitError
+from refit_core import AuthenticationError, ProtocolError, RefitError
 from refit_zmq.relay.apply.receiver import Receiver, as_receiver
 from refit_zmq.relay.node.intake import PayloadIntake
 from refit_zmq.relay.node.jobs import ReceiverJobs

@@ -17,7 +17,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 
 __all__ = ["PayloadKey", "Pending", "StagedPayload", "Staging"]
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from refit_core.errors import ProtocolError, RefitError
+from refit_core import ProtocolError, RefitError
 from refit_zmq.relay.node.peers import PeerRequests
 from refit_zmq.relay.wire.control import Reply
 from refit_zmq.relay.wire.frames import Kind

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay.node.intake import PayloadIntake
 from refit_zmq.relay.node.ledger import Ledger, TransferRecord
 from refit_zmq.relay.node.peers import PeerRequests

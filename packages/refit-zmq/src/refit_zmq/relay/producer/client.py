@@ -18,8 +18,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.deadline import Deadline
-from refit_core.errors import AuthenticationError, RefitTimeoutError
+from refit_core import AuthenticationError, Deadline, RefitTimeoutError
 from refit_zmq.codec.format import BytesLike, DeltaPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig

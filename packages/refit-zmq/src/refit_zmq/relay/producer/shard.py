@@ -2,7 +2,7 @@
 
 A :class:`ShardProducer` lives in the trainer rank's process (a Ray actor serving its
 ``refit_*`` methods, or an object in the controller's process for a single-process trainer).
-The controller reaches it as a :class:`~refit_core.participants.Participant`, sends a
+The controller reaches it as a ``Participant[ShardProducerRole]``, sends a
 :class:`StreamOrder` per transfer, and once the coordinator decided, tells it to commit or
 abort its tracker's baseline. Everything it receives is plain, picklable data.
 """
@@ -12,16 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
-from refit_core.deadline import Deadline
-from refit_core.protocols import PolicyLike
+from refit_core.backend import Deadline, PolicyLike
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay.producer.streaming import stream_sparse_delta_payloads_via_zmq
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.tuning import RelayTuning
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
-__all__ = ["ShardProducer", "StreamOrder", "TransferOptions"]
+__all__ = ["ShardProducer", "ShardProducerRole", "StreamOrder", "TransferOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,40 @@ class StreamOrder:
     deadline_s: float | None = None
 
 
-class ShardProducer:
+class ShardProducerRole(Protocol):
+    """What the controller calls on a trainer rank's producer (:class:`ShardProducer` plays
+    it; a trainer's own Ray actor may forward the same methods)."""
+
+    def refit_init(self, config: TrackerConfig) -> None:
+        """(Re)build the rank's tracker for shard ``config.shard_rank``."""
+        ...
+
+    def refit_version(self) -> int | None:
+        """The version of the baseline this shard's deltas are taken against."""
+        ...
+
+    def refit_stream(self, order: StreamOrder) -> dict[str, int]:
+        """Encode and deliver this shard; its counts."""
+        ...
+
+    def refit_digests(self) -> dict[str, int]:
+        """Every tensor's digest as this rank sees the weights."""
+        ...
+
+    def refit_commit(self) -> None:
+        """The relays committed the transfer: adopt it as the baseline."""
+        ...
+
+    def refit_abort(self) -> None:
+        """The transfer was aborted: keep the previous baseline (idempotent)."""
+        ...
+
+    def refit_close(self) -> None:
+        """Drop the tracker and its baseline."""
+        ...
+
+
+class ShardProducer(ShardProducerRole):
     """A trainer rank's producer: encodes its shard of ``policy``'s weights into the tree.
 
     Args:

@@ -15,8 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from refit_core.deadline import Deadline
-from refit_core.types import NamedTensor, WeightVersion
+from refit_core import NamedTensor, WeightVersion
+from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
 from refit_zmq.relay.wire.auth import api_key_from_env

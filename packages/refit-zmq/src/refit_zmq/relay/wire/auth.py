@@ -14,7 +14,7 @@ import hmac
 import logging
 import os
 
-from refit_core.errors import AuthenticationError
+from refit_core import AuthenticationError
 from refit_zmq.codec.format import BytesLike
 
 __all__ = ["Signer", "api_key_from_env"]

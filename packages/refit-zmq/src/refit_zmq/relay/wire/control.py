@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from refit_core.errors import AuthenticationError, RefitError, RefitTimeoutError
+from refit_core import AuthenticationError, RefitError, RefitTimeoutError
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.errors import NackCode, error_for_nack

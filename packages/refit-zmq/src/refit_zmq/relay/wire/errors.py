@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from refit_core.errors import (
+from refit_core import (
     AuthenticationError,
     ChecksumMismatchError,
     GeometryMismatchError,

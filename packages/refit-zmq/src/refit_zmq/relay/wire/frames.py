@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.codec.format import BytesLike
 from refit_zmq.relay.wire.errors import NackCode
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from refit_core.errors import AuthenticationError, ProtocolError, RefitTimeoutError
+from refit_core import AuthenticationError, ProtocolError, RefitTimeoutError
 from refit_zmq.codec.format import BytesLike
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig

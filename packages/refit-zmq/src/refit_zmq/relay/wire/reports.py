@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
-from refit_core.errors import ProtocolError
+from refit_core import ProtocolError
 from refit_zmq.relay.wire.errors import NackCode
 
 __all__ = [

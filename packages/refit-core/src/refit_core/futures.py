@@ -1,17 +1,16 @@
-"""Future helpers for participants whose engine calls run on daemon threads.
-
-A participant's ``call`` must never block, so one that drives an engine over HTTP starts each
-call on a thread of its own and answers with a future (refit-dynamo and refit-sglang do).
+"""Future helpers: a participant's call never blocks, so work that waits on an engine runs on a
+daemon thread of its own and is answered with a future.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
+from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["dispatch", "done", "failed", "in_thread", "then"]
+__all__ = ["InFlight", "done", "failed", "in_thread", "then"]
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -64,18 +63,27 @@ def then(source: Future[_T], fn: Callable[[_T], _U]) -> Future[_U]:
     return target
 
 
-def dispatch(
-    handlers: Mapping[str, Callable[..., Future[Any]]],
-    method: str,
-    args: tuple[Any, ...],
-    what: str,
-) -> Future[Any]:
-    """Start ``handlers[method](*args)``; a failed future when ``what`` has no such method or
-    the handler raises."""
-    handler = handlers.get(method)
-    if handler is None:
-        return failed(NotImplementedError(f"{what} has no {method}"))
-    try:
-        return handler(*args)
-    except Exception as exc:
-        return failed(exc)
+class InFlight:
+    """Counts calls in flight across threads: ``with in_flight:`` around each call, and
+    ``bool(in_flight)`` says whether one is still running (an abort that cannot reach the
+    engine then says so)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def __bool__(self) -> bool:
+        return self._count > 0

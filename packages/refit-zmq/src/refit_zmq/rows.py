@@ -1,0 +1,29 @@
+"""The backend rows refit-zmq implements (read by refit-core's registry; imports nothing heavy)."""
+
+from refit_core.backend import BackendRow
+
+__all__ = ["VLLM_IPC", "VLLM_ZMQ_SPARSE"]
+
+VLLM_IPC = BackendRow(
+    backend="vllm",
+    topology="colocated",
+    transport="ipc",
+    builder="refit_zmq.ipc.builder:build_ipc_synchronizer",
+    description="ZMQ control + CUDA IPC handles (shared memory on CPU)",
+    on_failure="previous version (staged: default); closed until a complete refit (streamed)",
+    default=True,
+    options="refit_zmq.ipc:IpcOptions",
+)
+
+VLLM_ZMQ_SPARSE = BackendRow(
+    backend="vllm",
+    topology="non-colocated",
+    transport="zmq_sparse",
+    builder="refit_zmq.sparse.builder:build_zmq_sparse_synchronizer",
+    description="sparse deltas over the transactional ZMQ relay tree",
+    on_failure=(
+        "previous version, bit for bit; closed until a complete refit if loading a committed "
+        "delta into the model fails"
+    ),
+    options="refit_zmq.sparse:ZmqSparseOptions",
+)
