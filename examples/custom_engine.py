@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from refit_core import (
-    CollectiveSenderSpec,
     FleetStatus,
     RecoveryReport,
     RefitError,
     WeightSynchronizer,
     create_weight_synchronizer,
 )
+from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.ray_cluster import LocalCluster, local_ray
 from refit_nccl import EngineEndpoint

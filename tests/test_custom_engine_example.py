@@ -90,15 +90,13 @@ def test_recover_drops_the_dead_shard_and_the_rest_serve_one_version(
 
 def test_no_engine_answered_while_closed(outcome: custom_engine.Outcome) -> None:
     assert set(outcome.events) == {0, 2}
-    expected = [(hook, v) for v in (1, 2, 3, 4, 5) for hook in ("begin", "commit")]
+    expected = [(hook, v) for v in (1, 2, 3) for hook in ("begin", "commit")]
+    # The failed refit to 4 closed the engine and told it so (its own receive failed, or it
+    # had received all of 4 when the refit failed elsewhere); the resync of recover()
+    # (version 4 again) loaded into the closed engine and reopened it.
+    expected += [("begin", 4), ("abort-partial", 4), ("commit", 4), ("begin", 5), ("commit", 5)]
     for shard, events in outcome.events.items():
-        # The failed refit to 4 closed the engine; the resync of recover() (version 4 again)
-        # reopened it. An engine that had received all of version 4 before the refit failed
-        # elsewhere hears no abort (its weights are whole): whether it did depends on timing.
-        hooks = [e for e in events if e[0] not in ("generate", "abort-partial")]
+        hooks = [e for e in events if e[0] != "generate"]
         assert hooks == expected, f"shard {shard}: {hooks}"
-        assert set(events) - set(expected) <= {("generate", v) for v in range(6)} | {
-            ("abort-partial", 4)
-        }
         assert served_while_closed(events) == [], f"shard {shard} answered while closed"
     assert outcome.traffic.answered > 0

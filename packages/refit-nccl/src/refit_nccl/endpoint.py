@@ -299,6 +299,16 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
             notify(self.engine, "on_refit_commit", version)
             return version
 
+    def refit_abort(self, cause: str, group_name: str | None = None) -> None:
+        """Abort the group (see :meth:`_Endpoint.refit_abort`); an engine that had loaded
+        the whole refit, which failed elsewhere, is told too: it stays closed, its weights
+        being a version nobody committed."""
+        super().refit_abort(cause, group_name)
+        loaded = self._loaded
+        if loaded is not None and self._closed and not self._dirty:
+            self._loaded = None
+            notify(self.engine, "on_refit_abort", loaded, weights_changed=True)
+
     def refit_status(self) -> EngineStatus:
         """This worker's refit state."""
         group = self._group

@@ -58,7 +58,19 @@ class TestZmqSparseConformance(SynchronizerConformance):
         return FleetDeployment(trainer, synchronizer, CONFIG, self.engines)
 
 
-def _synchronizer(trainer: SimulatedTrainer, engines: EngineFleet) -> ZmqSparseWeightSynchronizer:
+class _Relays:
+    """A generation of the given relays only."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self._addresses = addresses
+
+    def relay_addresses(self) -> list[str]:
+        return list(self._addresses)
+
+
+def _synchronizer(
+    trainer: SimulatedTrainer, engines: EngineFleet | _Relays
+) -> ZmqSparseWeightSynchronizer:
     synchronizer = create_weight_synchronizer(
         trainer, engines, "vllm", False, refit_timeout_s=60.0, transport="zmq_sparse",
         options=OPTIONS,
@@ -205,13 +217,7 @@ def test_status_and_recover_after_a_dead_relay_then_a_restarted_controller(
         result = synchronizer.sync_weights()
         assert {w.worker for w in result.workers} == set(addresses[:2])
         assert _bitwise(engines, trainer)[:2] == [True, True]
-    survivors = addresses[:2]
-    restarted = ZmqSparseWeightSynchronizer(
-        shard_producers(trainer, OPTIONS.shard_count),
-        lambda: survivors,
-        refit_timeout_s=60.0,
-        options=OPTIONS,
-    )
+    restarted = _synchronizer(trainer, _Relays(addresses[:2]))
     with restarted:
         trainer.step()
         assert restarted.sync_weights().version == result.version + 1, "adopted, not version 1"
