@@ -13,6 +13,7 @@ from refit_lab.reference_engine import (
     GenerationOutput,
     ReferenceEngine,
     ReferenceModelConfig,
+    WeightVersionSpan,
     checkpoint_tensor_specs,
     random_checkpoint,
 )
@@ -366,3 +367,82 @@ def test_a_held_request_is_served_once_the_refit_commits() -> None:
     engine.on_refit_commit(1)
     held.join(10)
     assert results and len(results[0][0]) == 2
+
+
+class _BeginsARefitMidRequest(ReferenceEngine):
+    """Begins a refit itself once ``pause_at`` tokens were generated: a step boundary in the
+    middle of a request, reached deterministically."""
+
+    pause_at = 0
+
+    def _advance(self, request: object, version: int) -> None:  # type: ignore[override]
+        super()._advance(request, version)  # type: ignore[arg-type]
+        if self.tokens_generated == self.pause_at:
+            self.on_refit_begin(version + 1)
+
+
+def test_a_request_in_flight_across_a_commit_is_held_then_finishes_on_the_new_weights(
+    checkpoint_b: dict[str, torch.Tensor],
+) -> None:
+    """Paused after 3 of 8 tokens, a batch of two requests waits (no token while the weights
+    are written), then finishes under version 1: one switch at token 3 per request, the tokens
+    before it those of the old weights, those after it a fresh engine's on the new weights
+    continuing the same prefix."""
+    prompts, switch = PROMPTS[:2], 3
+    engine = _BeginsARefitMidRequest(CONFIG, seed=SEED_A)
+    engine.pause_at = switch * len(prompts)
+    outputs: list[GenerationOutput] = []
+    request = threading.Thread(target=lambda: outputs.append(engine.generate(prompts, NEW_TOKENS)))
+    request.start()
+    give_up = time.monotonic() + 30
+    while engine.serving_state is not GateState.PAUSED:
+        assert time.monotonic() < give_up and request.is_alive(), "the refit never began"
+        time.sleep(0.005)
+    engine.load_weights(checkpoint_b.items())
+    engine.reset_prefix_cache()
+    engine.set_weight_version(1)
+    assert engine.tokens_generated == switch * len(prompts), "a token while writing weights"
+    engine.on_refit_commit(1)
+    request.join(30)
+    assert outputs, "the request in flight was lost"
+    (output,) = outputs
+    old = ReferenceEngine(CONFIG, seed=SEED_A).generate(prompts, NEW_TOKENS).tokens
+    fresh_b = ReferenceEngine(CONFIG, seed=SEED_B)
+    assert output.weight_version == 1
+    for prompt, tokens, spans, old_tokens in zip(
+        prompts, output.tokens, output.weight_versions, old, strict=True
+    ):
+        assert spans == [WeightVersionSpan(0, 0, switch), WeightVersionSpan(1, switch, NEW_TOKENS)]
+        assert tokens[:switch] == old_tokens[:switch]
+        continued = fresh_b.generate([prompt + tokens[:switch]], NEW_TOKENS - switch).tokens[0]
+        assert tokens[switch:] == continued
+
+
+def test_a_request_in_flight_ends_when_the_engine_closes() -> None:
+    """A held request fails at once with EngineClosedError when the refit fails part-way."""
+    engine = _BeginsARefitMidRequest(CONFIG, seed=SEED_A)
+    engine.pause_at = 2
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            engine.generate(PROMPTS[:1], NEW_TOKENS)
+        except EngineClosedError as exc:
+            errors.append(exc)
+
+    request = threading.Thread(target=generate)
+    request.start()
+    give_up = time.monotonic() + 30
+    while engine.serving_state is not GateState.PAUSED:
+        assert time.monotonic() < give_up and request.is_alive(), "the refit never began"
+        time.sleep(0.005)
+    engine.on_refit_abort(1, weights_changed=True)
+    request.join(30)
+    assert errors and "closed" in str(errors[0])
+
+
+def test_spans_cover_every_token_of_a_request_without_refit() -> None:
+    engine = ReferenceEngine(CONFIG, seed=SEED_A)
+    output = engine.generate(PROMPTS, NEW_TOKENS)
+    assert output.weight_versions == [[WeightVersionSpan(0, 0, NEW_TOKENS)]] * len(PROMPTS)
+    assert engine.generate(PROMPTS[:1], 0).weight_versions == [[]]

@@ -6,15 +6,17 @@ engine decodes greedily and keeps a prefix KV cache across requests that, like a
 engine's, is NOT invalidated by ``load_weights``: refit code must call
 ``reset_prefix_cache()``. It takes refit's engine notifications (``on_refit_begin`` /
 ``on_refit_abort`` / ``on_refit_commit``): while a refit writes its weights, and after one
-failed part-way until a complete refit commits, it generates nothing.
+failed part-way until a complete refit commits, it generates nothing. A request in flight
+when a refit begins is held at its next step boundary and continues on the new weights
+(its prefix recomputed under them); its output names the weight version of each token span.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ __all__ = [
     "ReferenceEngine",
     "ReferenceModel",
     "ReferenceModelConfig",
+    "WeightVersionSpan",
     "checkpoint_tensor_specs",
     "fuse_checkpoint",
     "random_checkpoint",
@@ -332,11 +335,47 @@ class ReferenceModel(nn.Module):
 
 
 @dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens ``[start, end)`` were generated under weights of ``version`` (the
+    fields of vLLM's ``CompletionOutput.weight_versions`` spans)."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
-    """Greedy continuations, one per prompt, and the weight version that produced them."""
+    """Greedy continuations, one per prompt.
+
+    Attributes:
+        tokens: per prompt, the generated tokens.
+        weight_version: the version that generated the last tokens (the version served when
+            the request ended).
+        weight_versions: per prompt, the versions of its token spans, in order, covering
+            every generated token (one span unless a refit committed during the request).
+    """
 
     tokens: list[list[int]]
     weight_version: int
+    weight_versions: list[list[WeightVersionSpan]]
+
+
+@dataclass
+class _Request:
+    """One prompt being decoded: ``fed`` tokens of its sequence are in ``past``, computed
+    under the weights of ``version``; ``starts`` holds ``(first token, version)`` per span."""
+
+    prompt: list[int]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    past: KVCache | None = None
+    fed: int = 0
+    version: int | None = None
+
+    def spans(self) -> list[WeightVersionSpan]:
+        ends = [start for start, _ in self.starts[1:]] + [len(self.generated)] * bool(self.starts)
+        return [WeightVersionSpan(v, s, e) for (s, v), e in zip(self.starts, ends, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -416,8 +455,12 @@ class ReferenceEngine:
         *,
         seed: int | None = None,
         max_prefix_cache_entries: int = 64,
+        max_pause_s: float = 60.0,
     ) -> None:
-        """Build the engine; with a ``seed`` it loads ``random_checkpoint(config, seed)``."""
+        """Build the engine; with a ``seed`` it loads ``random_checkpoint(config, seed)``.
+        A request in flight is held through a refit's pause for at most ``max_pause_s``."""
+        if max_pause_s <= 0:
+            raise ValueError(f"max_pause_s must be > 0, got {max_pause_s}")
         if max_prefix_cache_entries < 0:
             raise ValueError(
                 f"max_prefix_cache_entries must be >= 0, got {max_prefix_cache_entries}"
@@ -434,6 +477,8 @@ class ReferenceEngine:
         self._hit_tokens = 0
         self._resets = 0
         self._gate = ServingGate()
+        self._max_pause_s = max_pause_s
+        self._tokens_generated = 0
         if seed is not None:
             self.load_weights(random_checkpoint(config, seed).items())
 
@@ -463,13 +508,18 @@ class ReferenceEngine:
             self._weight_version = version
 
     @property
+    def tokens_generated(self) -> int:
+        """Tokens generated since the engine was built (all requests)."""
+        return self._tokens_generated
+
+    @property
     def serving_state(self) -> GateState:
         """Open (serving), paused (a refit writes) or closed (partial weights)."""
         return self._gate.state
 
     def on_refit_begin(self, version: int) -> None:
-        """A refit to ``version`` is about to write the weights: stop generating (a generation
-        under way finishes first)."""
+        """A refit to ``version`` is about to write the weights: stop generating at the next
+        step boundary (requests in flight are held, not aborted)."""
         with self._lock:
             self._gate.pause(f"a refit to version {version} is writing the weights")
 
@@ -557,26 +607,40 @@ class ReferenceEngine:
     ) -> GenerationOutput:
         """Greedily decode ``max_new_tokens`` tokens after each non-empty prompt.
 
+        Prompts are decoded together, one token each per step. A refit that begins pauses the
+        request at the next step boundary; it resumes on the new weights (its tokens so far
+        computed again under them), and its ``weight_versions`` show where it switched.
+
         Args:
-            wait_s: how long to hold the request while a refit pauses or closes the engine.
+            wait_s: how long to hold the request, before it starts, while a refit pauses or
+                closes the engine.
 
         Raises:
-            EngineClosedError: the engine was still paused or closed after ``wait_s``.
+            EngineClosedError: the engine was still paused or closed after ``wait_s``; or,
+                once started, the engine closed (a refit failed part-way) or stayed paused
+                longer than ``max_pause_s``.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         token_lists = [[int(token) for token in prompt] for prompt in prompts]
         for index, tokens in enumerate(token_lists):
             self._validate_prompt(index, tokens, max_new_tokens)
-        until = time.monotonic() + wait_s
-        while True:
-            self._gate.wait_open(until - time.monotonic())
+        self._gate.wait_open(wait_s)
+        requests = [_Request(tokens) for tokens in token_lists]
+        version = self._weight_version
+        while requests and len(requests[0].generated) < max_new_tokens:
             with self._lock, torch.no_grad():
-                if self._gate.state is not GateState.OPEN:
-                    continue  # a refit began between the gate and the lock
-                version = self._weight_version
-                outputs = [self._generate_one(tokens, max_new_tokens) for tokens in token_lists]
-            return GenerationOutput(tokens=outputs, weight_version=version)
+                if self._gate.state is GateState.OPEN:
+                    version = self._weight_version
+                    for request in requests:
+                        self._advance(request, version)
+                    continue
+            self._gate.hold(self._max_pause_s)
+        return GenerationOutput(
+            tokens=[r.generated for r in requests],
+            weight_version=version,
+            weight_versions=[r.spans() for r in requests],
+        )
 
     def _validate_prompt(self, index: int, tokens: list[int], max_new_tokens: int) -> None:
         cfg = self._config
@@ -590,20 +654,24 @@ class ReferenceEngine:
                 f"exceed max_seq_len {cfg.max_seq_len}"
             )
 
-    def _generate_one(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        if max_new_tokens == 0:
-            return []
-        reused, past = self._lookup_prefix(prompt)
-        logits, past = self._step(prompt[reused], past)
-        for token in prompt[reused + 1 :]:
-            logits, past = self._step(token, past)
-        self._store_prefix(prompt, past)
-        generated: list[int] = []
-        while True:
-            generated.append(int(torch.argmax(logits)))
-            if len(generated) == max_new_tokens:
-                return generated
-            logits, past = self._step(generated[-1], past)
+    def _advance(self, request: _Request, version: int) -> None:
+        """Generate one token of ``request`` under ``version``'s weights; its KV is computed
+        again first when it was computed under other weights (or not yet)."""
+        sequence = request.prompt + request.generated
+        if request.version != version:
+            request.fed, request.past = self._lookup_prefix(sequence)
+            request.version = version
+        logits: torch.Tensor | None = None
+        for token in sequence[request.fed :]:
+            logits, request.past = self._step(token, request.past)
+        assert logits is not None and request.past is not None  # the last token is always fed
+        request.fed = len(sequence)
+        if not request.generated:
+            self._store_prefix(request.prompt, request.past)
+        if not request.starts or request.starts[-1][1] != version:
+            request.starts.append((len(request.generated), version))
+        request.generated.append(int(torch.argmax(logits)))
+        self._tokens_generated += 1
 
     def _step(self, token: int, past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         logits, present = self._model(torch.tensor([[token]], dtype=torch.long), past)

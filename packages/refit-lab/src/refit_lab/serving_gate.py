@@ -59,11 +59,23 @@ class ServingGate:
         Raises:
             EngineClosedError: still paused or closed after ``wait_s``.
         """
+        self._wait(wait_s, closed_ends=False)
+
+    def hold(self, wait_s: float) -> None:
+        """Hold a request in flight through a pause: return once the gate is open, waiting at
+        most ``wait_s``.
+
+        Raises:
+            EngineClosedError: the gate closed (at once), or was still paused after ``wait_s``.
+        """
+        self._wait(wait_s, closed_ends=True)
+
+    def _wait(self, wait_s: float, *, closed_ends: bool) -> None:
         end = time.monotonic() + wait_s
         with self._changed:
             while self._state is not GateState.OPEN:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (closed_ends and self._state is GateState.CLOSED):
                     raise EngineClosedError(f"engine {self._state.value}: {self._reason}")
                 self._changed.wait(left)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -34,11 +35,17 @@ from refit_nccl.geometry import DEFAULT_GEOMETRY
 from refit_nccl.group import AbortableProcessGroup
 from refit_nccl.handshake import agree_on_plan
 from refit_nccl.plan import TransferPlan
-from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest, StateItems
-from refit_nccl.storage import StagingBuffers
+from refit_nccl.roles import (
+    CollectiveStagingRole,
+    CollectiveTrainerRole,
+    JoinRequest,
+    StateItems,
+)
+from refit_nccl.storage import PlanStorage, StagingBuffers
 
 __all__ = [
     "CollectiveEngine",
+    "CommitStats",
     "EngineEndpoint",
     "EngineStatus",
     "TrainerEndpoint",
@@ -80,6 +87,8 @@ class EngineStatus:
         abort_cause: why its group was aborted, if it was.
         closed: its weights changed since the last commit: it serves nothing (its engine
             was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
+        staged_version: the version staged beside the engine, awaiting its commit.
+        can_stage: whether it can stage a refit (:class:`~refit_nccl.roles.CollectiveStagingRole`).
     """
 
     committed_version: int
@@ -88,6 +97,21 @@ class EngineStatus:
     connected: bool
     abort_cause: str | None
     closed: bool = False
+    staged_version: int | None = None
+    can_stage: bool = False
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    """What committing a staged refit did on one engine worker.
+
+    Attributes:
+        version: the version it serves now.
+        paused_s: how long its engine was paused (``on_refit_begin`` to ``on_refit_commit``).
+    """
+
+    version: int
+    paused_s: float
 
 
 def _deadline(timeout_s: float | None, what: str) -> Deadline:
@@ -246,8 +270,12 @@ class TrainerEndpoint(_Endpoint, CollectiveTrainerRole):
         return receive_packed(group, plan, lambda _: None, deadline, staging=self._staging)
 
 
-class EngineEndpoint(_Endpoint, CollectiveEngineRole):
+class EngineEndpoint(_Endpoint, CollectiveStagingRole):
     """An engine worker: receives every bucket into ``engine.load_weights``, commits on request.
+
+    It also stages: ``refit_stage`` receives the whole refit into a host copy laid out by the
+    plan (one host copy of the checkpoint, allocated at the first staging and reused), and
+    ``refit_commit_staged`` writes it into the engine in one pause.
 
     Args:
         engine_factory: builds (or returns) the engine, on first use.
@@ -269,6 +297,8 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
         self._loaded: int | None = None
         self._dirty = False
         self._closed = False
+        self._staged: PlanStorage | None = None
+        self._staged_version: int | None = None
 
     @property
     def engine(self) -> CollectiveEngine:
@@ -319,7 +349,73 @@ class EngineEndpoint(_Endpoint, CollectiveEngineRole):
             group is not None and group.connected,
             group.abort_cause if group is not None else None,
             self._closed,
+            self._staged_version,
+            can_stage=True,
         )
+
+    def refit_stage(self, version: int, timeout_s: float | None) -> TransferStats:
+        """Receive ``version`` whole into the host staging copy; the engine's weights and its
+        serving are untouched (no hook is called). A failure leaves nothing staged.
+
+        Raises:
+            RefitTimeoutError: a broadcast did not complete by the deadline or a peer failed.
+        """
+        with self._lock:
+            group, plan = self._joined()
+            self._staged_version = None
+            storage = self._staged
+            if storage is None or storage.plan.digest != plan.digest:
+                storage = self._staged = PlanStorage(plan, torch.device("cpu"))
+            deadline = _deadline(timeout_s, "staging")
+            if group.device.type == "cpu":
+                stats = receive_packed(group, plan, lambda _: None, deadline, into=storage)
+            else:
+                host = storage.tensors()
+
+                def keep(items: list[tuple[str, torch.Tensor]]) -> None:
+                    for name, tensor in items:
+                        host[name].copy_(tensor)
+
+                stats = receive_packed(group, plan, keep, deadline, staging=self._staging)
+            self._staged_version = version
+            logger.info("%s: staged version %d in %.3f s", group.spec.label, version, stats.total_s)
+            return stats
+
+    def refit_commit_staged(self, version: int) -> CommitStats:
+        """Serve the staged ``version``: ``on_refit_begin`` (the engine pauses at its next
+        step boundary, requests kept), load the staged copy, reset the prefix cache, set the
+        version, ``on_refit_commit``. An engine whose load fails is closed and told
+        (``on_refit_abort(weights_changed=True)``).
+
+        Raises:
+            RefitError: ``version`` is not staged here.
+        """
+        with self._lock:
+            storage = self._staged
+            if storage is None or self._staged_version != version:
+                raise RefitError(f"cannot commit version {version}: staged {self._staged_version}")
+            engine = self.engine
+            started = time.perf_counter()
+            notify(engine, "on_refit_begin", version)
+            self._closed = self._dirty = True
+            self._staged_version = self._loaded = None
+            try:
+                engine.load_weights(storage.tensors().items())
+                engine.reset_prefix_cache()
+                engine.set_weight_version(version)
+            except BaseException:
+                notify(engine, "on_refit_abort", version, weights_changed=True)
+                raise
+            self._committed = self._loaded = version
+            self._closed = self._dirty = False
+            notify(engine, "on_refit_commit", version)
+            return CommitStats(version, time.perf_counter() - started)
+
+    def refit_drop_staged(self, version: int) -> None:
+        """Forget the staged ``version`` (its host copy is kept for the next staging)."""
+        with self._lock:
+            if self._staged_version == version:
+                self._staged_version = None
 
     def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
         if geometry != self._geometry:

@@ -19,12 +19,13 @@ if TYPE_CHECKING:
     from refit_core.backend import CollectiveSenderSpec
     from refit_nccl.broadcast import TransferStats
     from refit_nccl.devices import DeviceReport
-    from refit_nccl.endpoint import EngineStatus
+    from refit_nccl.endpoint import CommitStats, EngineStatus
     from refit_nccl.group import GroupSpec
 
 __all__ = [
     "CollectiveEngineRole",
     "CollectiveMemberRole",
+    "CollectiveStagingRole",
     "CollectiveTrainerRole",
     "JoinRequest",
     "StateItems",
@@ -101,4 +102,26 @@ class CollectiveEngineRole(CollectiveMemberRole, Protocol):
 
     def refit_status(self) -> EngineStatus:
         """This worker's refit state (the fleet status and a failure's engine reports)."""
+        ...
+
+
+class CollectiveStagingRole(CollectiveEngineRole, Protocol):
+    """An engine worker that can stage a refit beside the weights it serves (two-phase).
+
+    It says so in its status (``refit_status().can_stage``); the controller asks before it
+    stages, so an engine role without these methods is refused by name, never half-staged.
+    """
+
+    def refit_stage(self, version: int, timeout_s: float | None) -> TransferStats:
+        """Receive one refit's weights into a staging copy beside the engine within
+        ``timeout_s`` seconds; the engine's weights are untouched and it is never paused."""
+        ...
+
+    def refit_commit_staged(self, version: int) -> CommitStats:
+        """Serve the staged ``version``: pause the engine at its next step boundary, load
+        the staged copy, drop its prefix cache, set the version, resume."""
+        ...
+
+    def refit_drop_staged(self, version: int) -> None:
+        """Forget the staged ``version`` (nothing happens to the engine)."""
         ...

@@ -16,6 +16,7 @@ VLLM_COLLECTIVE = BackendRow(
     default=True,
     options="refit_nccl:CollectiveOptions",
     train_cluster=_RENDEZVOUS,
+    can_stage=True,
 )
 
 MEGATRON_RESHARD = BackendRow(

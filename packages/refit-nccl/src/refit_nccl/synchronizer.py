@@ -12,10 +12,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from refit_core import (
     EngineHealth,
@@ -29,6 +30,7 @@ from refit_core import (
     RefitError,
     RefitResult,
     RefitTimeoutError,
+    StagedRefit,
     WeightSynchronizer,
     WorkerOutcome,
 )
@@ -36,11 +38,13 @@ from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Partici
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
+from refit_nccl.endpoint import CommitStats
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
 from refit_nccl.roles import (
     CollectiveEngineRole,
     CollectiveMemberRole,
+    CollectiveStagingRole,
     CollectiveTrainerRole,
     JoinRequest,
     StateItems,
@@ -109,6 +113,11 @@ class _Group:
 class CollectiveWeightSynchronizer(WeightSynchronizer):
     """Refit over a collective: vLLM (and the reference engine) on separate GPUs or hosts.
 
+    ``sync_weights`` streams each bucket into the engines. ``stage_weights`` moves the whole
+    refit into a host copy beside every engine (engines keep serving, never paused) and
+    ``commit_weights`` writes it into every engine at once; staging needs every engine
+    participant to be a :class:`~refit_nccl.roles.CollectiveStagingRole`.
+
     Args:
         trainers: the trainer ranks, rank 0 first (rank 0 sends).
         shards: returns the engine shards now (called at every (re)build and staleness check,
@@ -117,6 +126,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         refit_timeout_s: deadline of one refit (None disarms it).
         options: tuning.
     """
+
+    supports_staging = True
 
     def __init__(
         self,
@@ -139,6 +150,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._counter = itertools.count()
         self._group: _Group | None = None
         self._stale_reason: str | None = None
+        self._staged_on: dict[str, tuple[Participant[CollectiveStagingRole], ...]] = {}
 
     @property
     def membership(self) -> Membership | None:
@@ -157,12 +169,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._build(frozenset(), deadline)
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
-        group = self._group
-        if group is None or self._stale_reason is not None:
-            reason = self._stale_reason or "no group"
-            raise RefitAbortedError(
-                f"the communicator is stale ({reason}); call reconcile_communicator()"
-            )
+        group = self._usable_group()
         started = time.monotonic()
         what = f"refit to version {version}"
         left = _left(deadline, what)
@@ -204,6 +211,114 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             dense_bytes=sender.dense_bytes,
             workers=tuple(WorkerOutcome(p.label, True, version) for p in group.engines),
         )
+
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        group = self._usable_group()
+        engines = self._staging_engines(group, deadline)
+        started = time.monotonic()
+        what = f"staging version {version}"
+        left = _left(deadline, what)
+        calls: dict[Participant[Any], Future[TransferStats]] = {
+            p: p.call(CollectiveMemberRole.refit_transfer, version, left)
+            for p in group.members.values()
+            if p not in group.engines
+        }
+        calls.update({e: e.call(CollectiveStagingRole.refit_stage, version, left) for e in engines})
+        gathered = self._gather_collective(calls, deadline, group)
+        if not gathered.ok:
+            self._invalidate(group, f"{what} failed")
+            for engine in engines:
+                engine.call(CollectiveStagingRole.refit_drop_staged, version)
+            raise self._failure(what, gathered, deadline, target=version)
+        sender: TransferStats = gathered.results[group.members[0]]
+        received: list[TransferStats] = [gathered.results[e] for e in engines]
+        staging_id = f"{group.name}/{version}/{uuid.uuid4().hex[:8]}"
+        self._staged_on = {staging_id: engines}
+        elapsed = time.monotonic() - started
+        result = RefitResult(
+            version=version,
+            timings_s={
+                "transfer": elapsed,
+                "pack": sender.pack_s,
+                "send_wait": sender.wait_s,
+                "receive_wait": max(s.wait_s for s in received),
+            },
+            total_s=elapsed,
+            wire_bytes=sender.wire_bytes,
+            dense_bytes=sender.dense_bytes,
+            workers=tuple(WorkerOutcome(p.label, True, None) for p in engines),
+        )
+        return StagedRefit(version, staging_id, result)
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        engines = self._staged_on.pop(staged.staging_id)
+        version = staged.version
+        started = time.monotonic()
+        committed = gather(
+            {e: e.call(CollectiveStagingRole.refit_commit_staged, version) for e in engines},
+            self._control_wait_s(deadline),
+        )
+        if not committed.ok:
+            if self._group is not None:
+                self._invalidate(self._group, f"commit of version {version} failed")
+            raise self._failure(f"commit of version {version}", committed, deadline, target=version)
+        commit_s = time.monotonic() - started
+        stats: list[CommitStats] = [committed.results[e] for e in engines]
+        return RefitResult(
+            version=version,
+            timings_s={
+                **staged.result.timings_s,
+                "commit": commit_s,
+                "pause": max(s.paused_s for s in stats),
+            },
+            total_s=staged.result.total_s + commit_s,
+            wire_bytes=staged.result.wire_bytes,
+            dense_bytes=staged.result.dense_bytes,
+            workers=tuple(WorkerOutcome(e.label, True, version) for e in engines),
+        )
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        engines = self._staged_on.pop(staged.staging_id)
+        dropped = gather(
+            {e: e.call(CollectiveStagingRole.refit_drop_staged, staged.version) for e in engines},
+            self._control_wait_s(deadline),
+        )
+        if not dropped.ok:
+            raise self._failure(f"abort of staged version {staged.version}", dropped, deadline)
+
+    def _staging_engines(
+        self, group: _Group, deadline: Deadline
+    ) -> tuple[Participant[CollectiveStagingRole], ...]:
+        """The group's engines as staging participants, once each said it can stage.
+
+        Raises:
+            NotImplementedError: an engine participant cannot stage (named by its type).
+        """
+        asked = gather(
+            {e: e.call(CollectiveEngineRole.refit_status) for e in group.engines},
+            self._control_wait_s(deadline),
+        )
+        if not asked.ok:
+            raise self._failure("asking the engines whether they can stage", asked, deadline)
+        cannot = [e for e in group.engines if not asked.results[e].can_stage]
+        if cannot:
+            who = ", ".join(f"{e.label} ({type(e).__name__})" for e in cannot)
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot stage: these engine participants cannot ({who}); "
+                "use sync_weights()"
+            )
+        # Each one said it serves CollectiveStagingRole's methods.
+        return tuple(cast("Participant[CollectiveStagingRole]", e) for e in group.engines)
+
+    def _usable_group(self) -> _Group:
+        """The current group; RefitAbortedError if it is stale or not built."""
+        group = self._group
+        if group is None or self._stale_reason is not None:
+            reason = self._stale_reason or "no group"
+            raise RefitAbortedError(
+                f"the communicator is stale ({reason}); call reconcile_communicator()"
+            )
+        return group
 
     def _is_stale(self) -> bool:
         group = self._group
@@ -534,7 +649,9 @@ def _engine_status(
     if status.closed:
         reason = status.abort_cause or "its weights changed since the last commit"
         return EngineStatus(shard, label, EngineHealth.CLOSED, detail=reason)
-    return EngineStatus(shard, label, EngineHealth.SERVING, status.committed_version)
+    return EngineStatus(
+        shard, label, EngineHealth.SERVING, status.committed_version, status.staged_version
+    )
 
 
 def _engine_report(engine: EngineStatus, target: int, previous: int) -> EngineReport:
