@@ -7,6 +7,7 @@ The tests directory goes on ``sys.path`` so spawned worker processes can import
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,3 +28,28 @@ def gloo_reports() -> list[dict[str, Any]]:
         expected = launch_session(gang)
         reports: list[dict[str, Any]] = gang.collect(expected, timeout_s=240)
     return reports
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """A local Ray cluster for one test module (the actors of :mod:`ray_actors` by value)."""
+    import ray_actors
+    from ray_fleet import MiB
+    from refit_lab.ray_cluster import local_ray
+
+    options = {"object_store_memory": 80 * MiB, "log_to_driver": False}
+    with local_ray(num_cpus=4, by_value=[ray_actors], **options):
+        yield
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session: None) -> Iterator[Any]:
+    """Two reference-engine shards of one worker each on the module's Ray cluster."""
+    from ray_actors import Fleet
+    from ray_fleet import CONFIG, GEOMETRY
+
+    created = Fleet(CONFIG, GEOMETRY, shards=2)
+    try:
+        yield created
+    finally:
+        created.close()

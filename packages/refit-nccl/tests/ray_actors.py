@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -12,20 +13,49 @@ import torch
 from refit_core.backend import CollectiveSenderSpec
 from refit_lab.conformance import EngineWorkerProbes
 from refit_lab.digest import state_digest
-from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
+from refit_lab.reference_engine import (
+    GenerationOutput,
+    ReferenceEngine,
+    ReferenceModelConfig,
+    random_checkpoint,
+)
 from refit_lab.trainer import SimulatedTrainer
-from refit_nccl.endpoint import EngineEndpoint, TrainerEndpoint
+from refit_nccl.broadcast import TransferStats
+from refit_nccl.endpoint import EngineEndpoint, EngineStatus, TrainerEndpoint
 
 
 class SlowLoadingEngine(ReferenceEngine):
     """A reference engine whose every ``load_weights`` call takes ``load_delay_s`` longer (a
-    refit then lasts long enough to kill a worker in the middle of it)."""
+    refit then lasts long enough to kill a worker in the middle of it), whose every decode
+    step takes ``step_delay_s`` longer (a request then spans a refit), and which logs its
+    refit hooks with the tokens generated so far when each was called."""
 
     load_delay_s = 0.0
+    step_delay_s = 0.0
+
+    def __init__(self, config: ReferenceModelConfig, seed: int) -> None:
+        super().__init__(config, seed=seed)
+        self.hooks: list[tuple[str, int, int]] = []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         time.sleep(self.load_delay_s)
         return super().load_weights(weights)
+
+    def _advance(self, request: Any, version: int) -> None:
+        time.sleep(self.step_delay_s)
+        super()._advance(request, version)
+
+    def on_refit_begin(self, version: int) -> None:
+        super().on_refit_begin(version)
+        self.hooks.append(("begin", version, self.tokens_generated))
+
+    def on_refit_abort(self, version: int, *, weights_changed: bool) -> None:
+        self.hooks.append(("abort", version, self.tokens_generated))
+        super().on_refit_abort(version, weights_changed=weights_changed)
+
+    def on_refit_commit(self, version: int) -> None:
+        self.hooks.append(("commit", version, self.tokens_generated))
+        super().on_refit_commit(version)
 
 
 class EngineWorker(EngineEndpoint, EngineWorkerProbes):
@@ -37,12 +67,55 @@ class EngineWorker(EngineEndpoint, EngineWorkerProbes):
     ) -> None:
         self._config = config
         super().__init__(lambda: SlowLoadingEngine(config, seed=seed), geometry)
+        self.stage_delay_s = 0.0
+        self.stages_begun = 0
+        self.stages = True
+
+    def refuse_staging(self) -> None:
+        """Say in every status that this worker cannot stage (as a vLLM worker does)."""
+        self.stages = False
+
+    def refit_status(self) -> EngineStatus:
+        return dataclasses.replace(super().refit_status(), can_stage=self.stages)
+
+    @property
+    def slow_engine(self) -> SlowLoadingEngine:
+        engine = self.engine
+        assert isinstance(engine, SlowLoadingEngine)
+        return engine
 
     def set_load_delay(self, seconds: float) -> None:
         """Make every bucket's load take ``seconds`` longer."""
-        engine = self.engine
-        assert isinstance(engine, SlowLoadingEngine)
-        engine.load_delay_s = seconds
+        self.slow_engine.load_delay_s = seconds
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Make every decode step take ``seconds`` longer."""
+        self.slow_engine.step_delay_s = seconds
+
+    def set_stage_delay(self, seconds: float) -> None:
+        """Make every staging wait ``seconds`` before it receives (a worker that is slow to
+        join the transfer, so a test can kill it while the others are in it)."""
+        self.stage_delay_s = seconds
+
+    def refit_stage(self, version: int, timeout_s: float | None) -> TransferStats:
+        self.stages_begun += 1
+        time.sleep(self.stage_delay_s)
+        return super().refit_stage(version, timeout_s)
+
+    def staging_begun(self) -> int:
+        return self.stages_begun
+
+    def hooks(self) -> list[tuple[str, int, int]]:
+        """The engine's refit hooks so far: ``(hook, version, tokens generated then)``."""
+        return list(self.slow_engine.hooks)
+
+    def tokens_generated(self) -> int:
+        return self.slow_engine.tokens_generated
+
+    def generate_output(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Any:
+        """The engine's whole output (tokens and their weight-version spans)."""
+        output: GenerationOutput = self.slow_engine.generate(prompts, max_new_tokens)
+        return output
 
     def reset(self, seed: int, geometry: CollectiveSenderSpec | None = None) -> None:
         self.refit_abort("reset")
@@ -65,7 +138,7 @@ class TrainerWorker(TrainerEndpoint):
 
 RemoteEngineWorker = ray.remote(EngineWorker)
 RemoteTrainerWorker = ray.remote(TrainerWorker)
-ACTOR_OPTIONS: dict[str, Any] = {"max_concurrency": 3, "num_cpus": 0}
+ACTOR_OPTIONS: dict[str, Any] = {"max_concurrency": 4, "num_cpus": 0}
 
 
 class Fleet:
@@ -86,6 +159,9 @@ class Fleet:
 
     def reset(self, seed: int, geometry: CollectiveSenderSpec | None = None) -> None:
         ray.get([w.reset.remote(seed + i, geometry) for i, w in self.workers.items()], timeout=60)
+
+    def call_one(self, index: int, method: str, *args: Any) -> Any:
+        return ray.get(getattr(self.workers[index], method).remote(*args), timeout=60)
 
     def restart(self, index: int, seed: int) -> None:
         """Replace shard ``index`` by a fresh worker process; returns once it is up."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from ray_fleet import CONFIG, PROMPTS, MiB, make_synchronizer, wait_for
 from refit_core import (
     EngineHealth,
     EngineState,
@@ -20,7 +20,7 @@ from refit_core import (
     RefitTimeoutError,
     create_weight_synchronizer,
 )
-from refit_core.backend import ActorParticipant, CollectiveSenderSpec, LocalParticipant
+from refit_core.backend import ActorParticipant, LocalParticipant
 from refit_lab.conformance import (
     FleetDeployment,
     RefitDeployment,
@@ -29,7 +29,7 @@ from refit_lab.conformance import (
 )
 from refit_lab.digest import state_digest
 from refit_lab.faults import freeze, kill, thaw
-from refit_lab.ray_cluster import LocalCluster, local_ray
+from refit_lab.ray_cluster import LocalCluster
 from refit_lab.reference_engine import ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
 from refit_nccl import CollectiveOptions, CollectiveWeightSynchronizer, TrainerEndpoint
@@ -38,48 +38,6 @@ from refit_nccl.backend import ChildProcessGroup
 # Ray is a test tool of the dev group, not a refit-nccl dependency: an environment holding only
 # refit-nccl (scripts/test-isolated) skips these Ray-driven tests.
 pytest.importorskip("ray", reason="ray (dev group) is not installed")
-
-MiB = 1024 * 1024
-CONFIG = ReferenceModelConfig(vocab_size=512, hidden_size=128, num_layers=3, intermediate_size=384)
-GEOMETRY = CollectiveSenderSpec("refit", MiB, 2)
-PROMPTS = [[1, 2, 3], [7, 7, 7, 7]]
-
-
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[None]:
-    import ray_actors
-
-    options = {"object_store_memory": 80 * MiB, "log_to_driver": False}
-    with local_ray(num_cpus=4, by_value=[ray_actors], **options):
-        yield
-
-
-@pytest.fixture(scope="module")
-def fleet(ray_session: None) -> Iterator[Any]:
-    from ray_actors import Fleet
-
-    created = Fleet(CONFIG, GEOMETRY, shards=2)
-    try:
-        yield created
-    finally:
-        created.close()
-
-
-def make_synchronizer(
-    policy: object, fleet: Any, timeout_s: float = 30.0, buffer_gb: float | None = None
-) -> CollectiveWeightSynchronizer:
-    synchronizer = create_weight_synchronizer(
-        policy,
-        fleet,
-        "vllm",
-        False,
-        train_cluster=LocalCluster(1),
-        inference_cluster=LocalCluster(len(fleet.workers)),
-        refit_buffer_size_gb=buffer_gb,
-        refit_timeout_s=timeout_s,
-    )
-    assert isinstance(synchronizer, CollectiveWeightSynchronizer)
-    return synchronizer
 
 
 @pytest.mark.timeout(240)
@@ -314,13 +272,6 @@ def test_trainer_ranks_as_ray_actors_through_the_factory(fleet: Any) -> None:
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
-    give_up = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < give_up, f"gave up waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.mark.timeout(300)

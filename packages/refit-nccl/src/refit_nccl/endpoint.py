@@ -107,7 +107,8 @@ class CommitStats:
 
     Attributes:
         version: the version it serves now.
-        paused_s: how long its engine was paused (``on_refit_begin`` to ``on_refit_commit``).
+        paused_s: how long its engine was paused: from the return of ``on_refit_begin`` (the
+            engine at a step boundary) to that of ``on_refit_commit``.
     """
 
     version: int
@@ -395,8 +396,8 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             if storage is None or self._staged_version != version:
                 raise RefitError(f"cannot commit version {version}: staged {self._staged_version}")
             engine = self.engine
-            started = time.perf_counter()
             notify(engine, "on_refit_begin", version)
+            paused = time.perf_counter()
             self._closed = self._dirty = True
             self._staged_version = self._loaded = None
             try:
@@ -409,7 +410,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             self._committed = self._loaded = version
             self._closed = self._dirty = False
             notify(engine, "on_refit_commit", version)
-            return CommitStats(version, time.perf_counter() - started)
+            return CommitStats(version, time.perf_counter() - paused)
 
     def refit_drop_staged(self, version: int) -> None:
         """Forget the staged ``version`` (its host copy is kept for the next staging)."""
