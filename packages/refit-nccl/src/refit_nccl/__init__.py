@@ -17,8 +17,19 @@ from refit_core.backend import lazy_facade
 if TYPE_CHECKING:
     from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, PeerGeneration
     from refit_nccl.devices import DeviceMismatchError
-    from refit_nccl.endpoint import CollectiveEngine, EngineEndpoint, EngineStatus, TrainerEndpoint
-    from refit_nccl.roles import CollectiveEngineRole, CollectiveMemberRole, CollectiveTrainerRole
+    from refit_nccl.endpoint import (
+        CollectiveEngine,
+        CommitStats,
+        EngineEndpoint,
+        EngineStatus,
+        TrainerEndpoint,
+    )
+    from refit_nccl.roles import (
+        CollectiveEngineRole,
+        CollectiveMemberRole,
+        CollectiveStagingRole,
+        CollectiveTrainerRole,
+    )
     from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
     from refit_nccl.vllm_native.engine import LLMWeightSyncClient, VllmNativeGeneration
 else:
@@ -43,8 +54,10 @@ __all__ = [
     "CollectiveMemberRole",
     "CollectiveOptions",
     "CollectivePolicy",
+    "CollectiveStagingRole",
     "CollectiveTrainerRole",
     "CollectiveWeightSynchronizer",
+    "CommitStats",
     "DeviceMismatchError",
     "EngineEndpoint",
     "EngineStatus",
