@@ -282,6 +282,8 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         engine_factory: builds (or returns) the engine, on first use.
         geometry: the packing geometry this receiver declares.
         device: where the engine's weights live; None: this process's device.
+        can_stage: whether it offers ``refit_stage`` (an engine that must write its
+            weights its own way, as vLLM's layerwise reload, says False).
     """
 
     def __init__(
@@ -289,8 +291,11 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         engine_factory: Callable[[], CollectiveEngine],
         geometry: CollectiveSenderSpec = DEFAULT_GEOMETRY,
         device: DeviceType | None = None,
+        *,
+        can_stage: bool = True,
     ) -> None:
         super().__init__(device)
+        self._can_stage = can_stage
         self._engine_factory = engine_factory
         self._engine: CollectiveEngine | None = None
         self._geometry = geometry
@@ -351,7 +356,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             group.abort_cause if group is not None else None,
             self._closed,
             self._staged_version,
-            can_stage=True,
+            can_stage=self._can_stage,
         )
 
     def refit_stage(self, version: int, timeout_s: float | None) -> TransferStats:
@@ -359,8 +364,11 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         serving are untouched (no hook is called). A failure leaves nothing staged.
 
         Raises:
+            NotImplementedError: this endpoint was built with ``can_stage=False``.
             RefitTimeoutError: a broadcast did not complete by the deadline or a peer failed.
         """
+        if not self._can_stage:
+            raise NotImplementedError(f"{type(self).__name__} was built with can_stage=False")
         with self._lock:
             group, plan = self._joined()
             self._staged_version = None

@@ -298,15 +298,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             {e: e.call(CollectiveEngineRole.refit_status) for e in group.engines},
             self._control_wait_s(deadline),
         )
-        if not asked.ok:
-            raise self._failure("asking the engines whether they can stage", asked, deadline)
-        cannot = [e for e in group.engines if not asked.results[e].can_stage]
+        cannot = [
+            e
+            for e in group.engines
+            if isinstance(asked.errors.get(e), NotImplementedError)
+            or (e in asked.results and not asked.results[e].can_stage)
+        ]
         if cannot:
             who = ", ".join(f"{e.label} ({type(e).__name__})" for e in cannot)
             raise NotImplementedError(
                 f"{type(self).__name__} cannot stage: these engine participants cannot ({who}); "
                 "use sync_weights()"
             )
+        if not asked.ok:
+            raise self._failure("asking the engines whether they can stage", asked, deadline)
         # Each one said it serves CollectiveStagingRole's methods.
         return tuple(cast("Participant[CollectiveStagingRole]", e) for e in group.engines)
 

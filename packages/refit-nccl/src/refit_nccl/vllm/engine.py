@@ -91,7 +91,9 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), DEFAULT_GEOMETRY)
+        self.endpoint = EngineEndpoint(
+            lambda: _WorkerModel(self), DEFAULT_GEOMETRY, can_stage=False
+        )
         self.loading = CheckpointLoading(self, staged=True)
         self.last_stats: TransferStats | None = None
 
@@ -99,7 +101,9 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         """Declare a packing geometry and the staging mode (leaves any current group)."""
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
         self.endpoint.refit_abort("geometry changed")
-        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry)
+        # vLLM's model is written through its layerwise reload (``self.loading``), which the
+        # endpoint's refit_stage does not drive: this worker does not stage (yet).
+        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
         self.loading.abandon()
         self.loading.staged = init_info.staged
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)
