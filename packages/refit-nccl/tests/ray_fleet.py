@@ -3,11 +3,12 @@ synchronizer the factory builds over it, and a bounded wait."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from refit_core import create_weight_synchronizer
+from refit_core import RefitError, create_weight_synchronizer
 from refit_core.backend import CollectiveSenderSpec
 from refit_lab.ray_cluster import LocalCluster
 from refit_lab.reference_engine import ReferenceModelConfig
@@ -41,3 +42,19 @@ def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 60.0) -
     while not predicate():
         assert time.monotonic() < give_up, f"gave up waiting for {what}"
         time.sleep(0.02)
+
+
+def failing_in_thread(call: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``call`` on a thread; the dict gets its RefitError (``error``) and when it was
+    raised (``at``, monotonic)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            call()
+        except RefitError as exc:
+            outcome["error"], outcome["at"] = exc, time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome

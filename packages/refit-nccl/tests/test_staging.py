@@ -25,16 +25,24 @@ from refit_lab.reference_engine import (
     random_checkpoint,
 )
 from refit_lab.trainer import SimulatedTrainer
+from refit_nccl import CollectiveWeightSynchronizer
 
 pytest.importorskip("ray", reason="ray (dev group) is not installed")
 
-from ray_fleet import CONFIG, PROMPTS, make_synchronizer, wait_for
+from ray_fleet import CONFIG, PROMPTS, failing_in_thread, make_synchronizer, wait_for
 
 logger = logging.getLogger(__name__)
 
 
 def expected_digests(trainer: SimulatedTrainer) -> dict[str, int]:
     return state_digest(trainer.engine_state().items())
+
+
+def fresh(fleet: Any, seed: int) -> tuple[SimulatedTrainer, CollectiveWeightSynchronizer]:
+    """The fleet back on its initial engines, a trainer from ``seed`` and a synchronizer."""
+    fleet.reset(seed=100)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, seed), lr=1e-2)
+    return trainer, make_synchronizer(trainer, fleet, timeout_s=30.0)
 
 
 def restore(fleet: Any, index: int, worker: Any, pid: int, seed: int) -> None:
@@ -49,9 +57,7 @@ def test_stage_then_commit_is_bit_exact_and_hooks_run_only_at_the_commit(fleet: 
     """Staging moves the whole version beside every engine (status shows it staged) without
     touching what they serve or calling a hook; the commit serves it bit-exact everywhere,
     each engine hearing begin then commit, in one pause shorter than the whole refit."""
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 3), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet)
+    trainer, synchronizer = fresh(fleet, 3)
     try:
         before = fleet.call("state_digests")
         old_tokens = fleet.call("generate", PROMPTS, 5)
@@ -91,9 +97,7 @@ def test_stage_then_commit_is_bit_exact_and_hooks_run_only_at_the_commit(fleet: 
 def test_stage_then_abort_leaves_the_old_bits_and_calls_no_hook(fleet: Any) -> None:
     """An aborted staging changes nothing anywhere (weights, version, hooks), and the next
     refit, streamed, works as usual."""
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet)
+    trainer, synchronizer = fresh(fleet, 4)
     try:
         synchronizer.sync_weights()
         hooks = fleet.call("hooks")
@@ -123,9 +127,7 @@ def test_an_engine_killed_while_staging_leaves_every_live_engine_serving_old_nev
     holds nothing staged, and ``recover()`` needs no resync, then readmits a replacement."""
     import ray
 
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 5), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet, timeout_s=30.0)
+    trainer, synchronizer = fresh(fleet, 5)
     victim_pid: int = fleet.call("pid")[1]
     victim = fleet.workers[1]
     try:
@@ -134,16 +136,7 @@ def test_an_engine_killed_while_staging_leaves_every_live_engine_serving_old_nev
         hooks = fleet.call_one(0, "hooks")
         trainer.step()
         fleet.call_one(1, "set_stage_delay", 60.0)
-        outcome: dict[str, Any] = {}
-
-        def stage() -> None:
-            try:
-                synchronizer.stage_weights()
-            except RefitError as exc:
-                outcome["error"], outcome["at"] = exc, time.monotonic()
-
-        thread = threading.Thread(target=stage)
-        thread.start()
+        thread, outcome = failing_in_thread(synchronizer.stage_weights)
         wait_for(
             lambda: ray.get(victim.staging_begun.remote(), timeout=30) > 0,
             "the victim to begin staging",
@@ -188,9 +181,7 @@ def test_an_engine_killed_between_stage_and_commit_is_named_and_the_others_serve
     """Commit is the point of no return: an engine dead after staging fails the commit,
     named (unknown) while the other serves the new version; ``recover()`` leaves the dead
     shard out with the fleet on one version, then resyncs its replacement."""
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 6), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet, timeout_s=30.0)
+    trainer, synchronizer = fresh(fleet, 6)
     victim_pid: int = fleet.call("pid")[1]
     victim = fleet.workers[1]
     try:
@@ -227,9 +218,7 @@ def test_an_engine_killed_between_stage_and_commit_is_named_and_the_others_serve
 def test_staging_is_refused_by_name_when_an_engine_participant_cannot_stage(fleet: Any) -> None:
     """One engine worker that cannot stage: ``stage_weights`` raises NotImplementedError
     naming it, before any byte moves; the fleet is untouched and still refits streamed."""
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 9), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet)
+    _, synchronizer = fresh(fleet, 9)
     try:
         before = fleet.call("state_digests")
         fleet.call_one(1, "refuse_staging")
@@ -262,9 +251,7 @@ def test_requests_generating_across_stage_and_commit_are_kept_and_switch_once(
     ``on_refit_begin`` and ``on_refit_commit``, and none of them is called while staging."""
     import ray
 
-    fleet.reset(seed=100)
-    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 8), lr=1e-2)
-    synchronizer = make_synchronizer(trainer, fleet)
+    trainer, synchronizer = fresh(fleet, 8)
     prompts, new_tokens = [[1, 2, 3], [7, 7, 7, 7], [40, 41], [9, 8, 7, 6, 5]], 40
     stop = threading.Event()
     outputs: dict[int, list[GenerationOutput]] = {0: [], 1: []}

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from ray_fleet import CONFIG, PROMPTS, MiB, make_synchronizer, wait_for
+from ray_fleet import CONFIG, PROMPTS, MiB, failing_in_thread, make_synchronizer, wait_for
 from refit_core import (
     EngineHealth,
     EngineState,
@@ -293,16 +292,7 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         assert synchronizer.sync_weights().version == 1
         fleet.call("set_load_delay", 0.1)
         trainer.step()
-        outcome: dict[str, Any] = {}
-
-        def refit() -> None:
-            try:
-                synchronizer.sync_weights()
-            except RefitError as exc:
-                outcome["error"], outcome["at"] = exc, time.monotonic()
-
-        thread = threading.Thread(target=refit)
-        thread.start()
+        thread, outcome = failing_in_thread(synchronizer.sync_weights)
         wait_for(
             lambda: ray.get(fleet.workers[1].refit_status.remote(), timeout=30).closed,
             "the victim to start loading",
