@@ -95,9 +95,9 @@ class WeightSynchronizer(ABC):
         with self._lock:
             self._require_open()
             self._require_nothing_staged()
+            self.init_communicator()  # first: a new synchronizer adopts the fleet's version
             target = self._version.next() if version is None else WeightVersion(version)
             self._version.require_advance_to(target)
-            self.init_communicator()
             deadline = self._deadline()
             started = time.monotonic()
             logger.info("%s: refit to version %d", type(self).__name__, target.value)
@@ -136,9 +136,9 @@ class WeightSynchronizer(ABC):
             self._require_open()
             self._require_staging()
             self._require_nothing_staged()
+            self.init_communicator()  # first: a new synchronizer adopts the fleet's version
             target = self._version.next() if version is None else WeightVersion(version)
             self._version.require_advance_to(target)
-            self.init_communicator()
             deadline = self._deadline()
             logger.info("%s: staging version %d", type(self).__name__, target.value)
             staged = self._run_hook(
