@@ -293,6 +293,13 @@ class _Refits:
             started = time.monotonic()
             result = self._synchronizer.sync_weights()
         finished = time.monotonic()
+        logger.info(
+            "%s refit to version %d: %.3f s (staging %s)",
+            mode,
+            result.version,
+            finished - started,
+            "-" if staged_at is None else f"{staged_at - started:.3f} s",
+        )
         return RefitRecord(
             mode,
             round_index,
