@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import random
 import statistics
 import threading
@@ -116,13 +117,8 @@ FULL = Sizes(
 
 def state_bytes(config: ReferenceModelConfig) -> int:
     """Bytes of the model's checkpoint (what every refit moves to every engine)."""
-    total = 0
-    for shape, _ in checkpoint_tensor_specs(config).values():
-        count = 1
-        for dim in shape:
-            count *= dim
-        total += count * config.torch_dtype.itemsize
-    return total
+    elements = sum(math.prod(shape) for shape, _ in checkpoint_tensor_specs(config).values())
+    return elements * config.torch_dtype.itemsize
 
 
 def complete(output: GenerationOutput, new_tokens: int) -> bool:
