@@ -519,9 +519,12 @@ class ReferenceEngine:
 
     def on_refit_begin(self, version: int) -> None:
         """A refit to ``version`` is about to write the weights: stop generating at the next
-        step boundary (requests in flight are held, not aborted)."""
+        step boundary (requests in flight are held, not aborted). The gate closes first,
+        so no new step starts, then this waits for the step in progress: requests that take
+        the engine lock back to back cannot starve the refit."""
+        self._gate.pause(f"a refit to version {version} is writing the weights")
         with self._lock:
-            self._gate.pause(f"a refit to version {version} is writing the weights")
+            pass
 
     def on_refit_abort(self, version: int, *, weights_changed: bool) -> None:
         """The refit failed: serve the old weights again, or stay closed on partial ones."""
