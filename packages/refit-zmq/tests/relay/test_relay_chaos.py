@@ -102,6 +102,7 @@ class Tally:
     kills: int = 0
     stops: int = 0
     replacements: int = 0
+    recoveries: int = 0
     checks: int = 0
     mixed: int = 0
     late_checks: int = 0
@@ -241,7 +242,8 @@ class Chaos:
 
     def recover(self, *, quarantine: bool) -> None:
         """What a framework does after a fault: resume the frozen relay (or take it out of
-        the tree and watch it for 30 s), replace the dead ones, rebuild the tree."""
+        the tree and watch it for 30 s), replace the dead ones, then ``recover()``, which
+        must leave every relay serving one version."""
         if self.resume is not None:
             relay, when = self.resume
             self.resume = None
@@ -254,7 +256,11 @@ class Chaos:
         for index, relay in enumerate(self.relays):
             if not relay.alive:
                 self.retired.append(self.replace(index))
-        self.sync.reconcile_communicator(())
+        report = self.sync.recover()
+        assert report.after.consistent, f"recover() left {report.after.describe()}"
+        if report.resync is not None:
+            self.expected[("trainer", report.resync.version)] = digests(self.weights.state)
+        self.tally.recoveries += 1
 
     def close(self) -> None:
         self.sync.shutdown()

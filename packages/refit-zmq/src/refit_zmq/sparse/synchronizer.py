@@ -222,6 +222,17 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         call = self._options.call_timeout_s
         return call if left is None else max(0.05, min(call, left / (2 * retries)))
 
+    def _status_timeout(self, deadline: Deadline) -> float:
+        """One STATUS reply's timeout when the fleet is asked (``status()``, ``recover()``):
+        ``call_timeout_s``, within an equal share of what the deadline leaves per attempt. A
+        link that lost its relay (dead, or frozen past the heartbeat timeout) reconnects only
+        after up to ``RelayTuning.reconnect_max_s``; the refit's own probe, which must leave
+        the deadline's other half to the transfer, may not wait that long."""
+        attempts = self._options.tuning.retries + 1
+        left = deadline.remaining_s()
+        call = self._options.call_timeout_s
+        return call if left is None else max(0.05, min(call, left / attempts))
+
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
         coordinator = self._coordinator
         assert coordinator is not None
@@ -339,7 +350,9 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """Every relay's engine, left-out relays included: serving its committed version,
         closed while a transfer holds part of its bytes, or unreachable."""
         relays = list(self._relays())
-        statuses = self._control(deadline).status(relays=relays, deadline=deadline)
+        coordinator = self._control(deadline)
+        coordinator.timeout_s = self._status_timeout(deadline)
+        statuses = coordinator.status(relays=relays, deadline=deadline)
         return FleetStatus(
             tuple(_engine_status(shard, a, statuses.get(a)) for shard, a in enumerate(relays))
         )
