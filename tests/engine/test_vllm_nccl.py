@@ -71,9 +71,9 @@ def test_init_and_update_info_are_vllms_own() -> None:
     assert typed.dtype_names == [spec.dtype for spec in STATE.values()]
     assert typed.shapes == [list(spec.shape) for spec in STATE.values()]
     # A Dynamo worker on vLLM's NCCL engine receives the same info through its admin routes.
-    payload = init_payload("10.0.0.7", 29511, 1, 3, vllm_nccl=GEOMETRY)
+    payload = init_payload("10.0.0.7", 29511, 1, 3, GEOMETRY, vllm_nccl=True)
     assert payload == {"engine_rpc": "init_weight_transfer_engine", "init_info": init}
-    assert update_info(STATE, GEOMETRY, vllm_nccl=True) == update
+    assert update_info(STATE, vllm_nccl=GEOMETRY) == update
     with pytest.raises(ValueError, match="vLLM's rule"):
         nccl_init_info("h", 1, 1, 2, CollectiveSenderSpec("refit", MiB, 2))
 

@@ -688,7 +688,10 @@ def _reported_engines(gathered: Gathered) -> list[EngineReport]:
 
 
 def _merged(fleet: list[EngineReport], reported: list[EngineReport]) -> list[EngineReport]:
-    """Fleet reports, each replaced by what its engine reported itself, if it did."""
-    own = {e.worker: e for e in reported}
-    merged = [own.pop(e.worker, e) for e in fleet]
-    return merged + list(own.values())
+    """The fleet's reports, those of a shard (or label) whose engine reported itself replaced
+    by that report: an engine knows whether its model was written (a vLLM engine that staged
+    the refit serves the old version although its workers' receivers began)."""
+    shards = {e.shard for e in reported if e.shard is not None}
+    workers = {e.worker for e in reported}
+    kept = [e for e in fleet if e.shard not in shards and e.worker not in workers]
+    return sorted([*kept, *reported], key=lambda e: (e.shard is None, e.shard or 0, e.worker))
