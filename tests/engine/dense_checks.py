@@ -33,7 +33,8 @@ def previous_weights_after(engine: Engine, error: RefitError, served: str, refit
     """A staged refit that failed: the engine serves exactly B' at once (never closed), and
     the next refits work."""
     assert error.states() == {"vllm engine 0": EngineState.OLD}, error
-    assert "as before" in str(error)
+    (report,) = error.engines
+    assert str(report.version) == served, "the report names the version it still serves"
     assert generate(engine.llm) == engine.expected["B'"], "exactly the previous weights, serving"
     assert engine.llm.llm_engine.get_weight_version() == served
     refit("A", True)
@@ -45,7 +46,8 @@ def closed_until_a_refit(engine: Engine, error: RefitError, refit: Refit) -> Non
     """A streamed refit that failed after writing the model: the engine is closed (a request
     gets no token) until a complete refit, which answers it on the new weights."""
     assert error.states() == {"vllm engine 0": EngineState.CLOSED}, error
-    assert "closed: it holds every request until a complete refit" in str(error)
+    (report,) = error.engines
+    assert report.version is None, "a closed engine serves no version"
     assert not error.is_retryable
     held = Pending(engine.llm)
     assert not held.answered_within(HELD_S), "a closed engine generates nothing"
