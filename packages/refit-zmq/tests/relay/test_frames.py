@@ -35,6 +35,7 @@ EXAMPLES: dict[Kind, dict[str, object]] = {
         "hops": 0,
     },
     Kind.READY: {"transfer_id": T, "producer_id": "p", "payload_id": "1", "relay": "tcp://h:1"},
+    Kind.QUEUED: {"transfer_id": T, "producer_id": "p", "payload_id": "1", "relay": "tcp://h:1"},
     Kind.ACK: {
         "transfer_id": T,
         "producer_id": "p",

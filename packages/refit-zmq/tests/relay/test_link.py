@@ -102,6 +102,18 @@ def _idle_after_refusal(context: zmq.Context[zmq.Socket[bytes]]) -> None:
     link.close()
 
 
+def test_a_link_whose_monitor_is_never_read_leaves_its_context_serving() -> None:
+    with _context() as context:
+        with socket.socket() as probe:  # a port nothing listens on any more
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        link = Link(context, f"tcp://127.0.0.1:{port}", LinkSettings(NO_KEY, None, FAST))
+        assert link.socket is not None and link.monitored, "connecting, watched, never read"
+        time.sleep(IDLE_S)  # thousands of reconnect attempts, one event each
+        assert _serves(context), "the context stalled behind the unread monitor"
+        link.close()
+
+
 def _relay(tuning: RelayTuning) -> ZmqSparseRefitServer:
     receiver = TensorReceiver(make_state(5), version=0)
     return ZmqSparseRefitServer(receiver, api_key_env_var=None, timeout_s=2.0, tuning=tuning)

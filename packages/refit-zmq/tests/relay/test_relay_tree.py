@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -157,6 +159,59 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
             trainer.transfer(coordinator, timeout_s=6.0)
             assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
         finally:
+            if trainer is not None:
+                trainer.close()
+            coordinator.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_child_is_given_up_once_per_transfer_and_the_rest_goes_past_it() -> None:
+    # a payload stays staged at the root until every child took it, and the root stages two
+    # per tree: offered to the frozen child again, every later pair would wait a timeout there
+    # and the producer, waiting as long for READY, would give up on the live root instead
+    with RelayFleet([RelaySpec(timeout_s=3.0)] * 2) as fleet:
+        root, frozen = fleet.addresses
+        coordinator = RelayCoordinator(api_key=None, timeout_s=3.0, tuning=TUNING)
+        coordinator.configure_tree(fleet.addresses)
+        channel = ControlChannel(signer=Signer(None), tuning=TUNING)
+        trainer: Trainer | None = None
+        try:
+            trainer = fresh_trainer(coordinator, seed=19, timeout_s=3.0)
+            before = held_digests(coordinator)[root]
+            trainer.step(seed=190, density=0.6)
+            transfer_id = new_transfer_id(trainer.version + 1)
+            os.kill(fleet.pids[1], signal.SIGSTOP)
+            try:
+                stats = stream_sparse_delta_payloads_via_zmq(
+                    trainer.state,
+                    delta_tracker=trainer.shards[0].tracker,
+                    refit_targets=[root],
+                    transfer_id=transfer_id,
+                    api_key_env_var=None,
+                    timeout_s=3.0,
+                    shard_rank=0,
+                    shard_count=1,
+                    tuning=TUNING,
+                )
+                assert stats["payloads"] > 2 * TUNING.window_payloads, "enough for a cascade"
+                fields = {
+                    "transfer_id": transfer_id,
+                    "expected_payloads": stats["payloads"],
+                    "wait_s": 5.0,
+                }
+                reply = channel.call({root: (Kind.FLUSH, fields)}, reply_within_s=10.0)[root]
+                assert isinstance(reply, dict), reply
+                report = FlushReport.from_json(reply)
+                assert report.applied == stats["payloads"], "the root applied every payload"
+                counts = report.children[frozen]
+                assert counts.failed == counts.forwarded <= TUNING.window_payloads
+                coordinator.abort(transfer_id)
+                trainer.shards[0].tracker.abort()
+                assert held_digests(coordinator)[root] == before
+            finally:
+                os.kill(fleet.pids[1], signal.SIGCONT)
+        finally:
+            channel.close()
             if trainer is not None:
                 trainer.close()
             coordinator.close()

@@ -8,7 +8,10 @@ overlaps the current payload's stream instead of idling the link between payload
 never block: when the child's high-water mark is reached the rest waits for POLLOUT, and the
 payload's bytes stay in the parent's staging (counted in its budget) until streamed. A child
 that stops answering for ``timeout_s`` (or fails the security handshake) fails every payload
-queued for it, and its socket is made anew.
+queued for it, and its socket is made anew, and it is given up for the rest of the transfers
+it failed (they are lost there anyway): their later payloads are released at once instead of
+each waiting out the child's timeout again. A child that refuses a payload (a NACK) still
+gets the later ones: it forwards them to its own subtree.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from refit_zmq.relay.wire.tuning import RelayTuning
 __all__ = ["ChildLink", "Forward", "ForwardEvents"]
 
 logger = logging.getLogger(__name__)
+
+_GIVEN_UP_REMEMBERED = 16
+"""Transfers a child link remembers having given up (transfers run one after the other)."""
 
 
 class _ChunkTooLargeError(Exception):
@@ -104,6 +110,7 @@ class ChildLink:
         self._queue: deque[Forward] = deque()
         self._current: Forward | None = None
         self._unacked: dict[PayloadKey, Forward] = {}
+        self._given_up: deque[str] = deque(maxlen=_GIVEN_UP_REMEMBERED)
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
@@ -129,11 +136,23 @@ class ChildLink:
             return time.monotonic() >= current.retry_at
         return current.ready and current.sent < len(current.staged.chunks)
 
-    def add(self, staged: StagedPayload) -> None:
-        """Queue ``staged`` for this child (its ``forwards`` count goes up)."""
+    def gave_up(self, transfer_id: str) -> bool:
+        """Whether the child went silent during ``transfer_id`` (it gets no more of it)."""
+        return transfer_id in self._given_up
+
+    def add(self, staged: StagedPayload) -> bool:
+        """Queue ``staged`` for this child (its ``forwards`` count goes up); False, and
+        nothing queued, when the child was given up for the payload's transfer."""
+        if self.gave_up(staged.key[0]):
+            return False
         staged.forwards += 1
         self._queue.append(Forward(staged, time.monotonic() + self._timeout_s))
         self.pump()
+        return True
+
+    def _give_up(self, transfer_id: str) -> None:
+        if transfer_id not in self._given_up:
+            self._given_up.append(transfer_id)
 
     def pump(self) -> None:
         """Send whatever can be sent now (called on every turn of the relay's loop, which
@@ -257,6 +276,9 @@ class ChildLink:
             str(fields.get("producer_id")),
             str(fields.get("payload_id")),
         )
+        if message.kind is Kind.QUEUED:
+            self._queued(key)
+            return
         current = self._current
         if current is not None and key == current.key:
             if message.kind is Kind.READY:
@@ -272,9 +294,17 @@ class ChildLink:
             elif not self._finish(ahead, message):
                 self._queue.remove(ahead)
             return
-        forward = self._unacked.pop(key, None)
-        if forward is not None and message.kind is not Kind.READY:
-            self._finish(forward, message)
+        if message.kind in (Kind.ACK, Kind.NACK):
+            forward = self._unacked.pop(key, None)
+            if forward is not None:
+                self._finish(forward, message)
+
+    def _queued(self, key: PayloadKey) -> None:
+        """The child is alive and holds the BEGIN of ``key`` until it has room: the wait
+        for its READY starts again."""
+        current = self._current
+        if current is not None and current.key == key and current.begun and not current.ready:
+            current.deadline = time.monotonic() + self._timeout_s
 
     def _ready(self, forward: Forward, message: Message) -> None:
         forward.accepted = message.number("chunk_bytes", forward.staged.total_bytes)
@@ -303,7 +333,8 @@ class ChildLink:
     def expire(self, now: float) -> None:
         """Fail everything if the child has made no progress within the timeout.
 
-        Progress is a READY, a chunk taken by the socket or an ACK; payloads queued behind
+        Progress is a READY, a QUEUED for the current payload (the child is alive but has no
+        room yet), a chunk taken by the socket or an ACK; payloads queued behind
         the current one have no deadline of their own.
         """
         current = self._current
@@ -324,6 +355,8 @@ class ChildLink:
         logger.warning(
             "child %s failed (%s); %d payloads dropped", self.address, reason, len(forwards)
         )
+        for forward in forwards:
+            self._give_up(forward.key[0])
         for forward in forwards:
             self._release(forward)
             self._events.failed(self.address, forward, "UNREACHABLE", reason)

@@ -4,10 +4,16 @@ Runs on the relay's event loop. A payload is admitted when it fits the staging b
 forwarded to the children of its tree chunk by chunk as the chunks arrive, handed to the
 receiver as they arrive too (:mod:`~refit_zmq.relay.node.local_apply`), acknowledged only after the
 receiver finished it, and released once it is applied and streamed to every child.
+
+A BEGIN that waits for room is answered QUEUED at once and again every half ``timeout_s``, so
+its sender (which times out a silent relay) can tell a full relay from a dead one while, for
+example, a frozen child of this relay holds the room until this relay gives the child up; a
+BEGIN queued for ``QUEUE_TIMEOUTS`` times ``timeout_s`` is answered BUSY and dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +38,7 @@ from refit_zmq.relay.wire.errors import (
     TransferConflictError,
     code_for_error,
 )
-from refit_zmq.relay.wire.frames import Kind, Message
+from refit_zmq.relay.wire.frames import QUEUE_TIMEOUTS, Kind, Message
 from refit_zmq.relay.wire.link import LinkSettings
 from refit_zmq.relay.wire.reports import ApplyResult, Failure, TransferState
 from refit_zmq.relay.wire.tuning import RelayTuning
@@ -72,7 +78,7 @@ class PayloadIntake:
         self._topology = topology
         self._replies = replies
         self._signer = signer
-        self._settings = LinkSettings.of(signer, curve, tuning)
+        self._settings = dataclasses.replace(LinkSettings.of(signer, curve, tuning), watched=False)
         self._tuning = tuning
         self._timeout_s = timeout_s
         self._progress = progress
@@ -135,6 +141,8 @@ class PayloadIntake:
             self._replies.nack(identity, NackCode.BUSY, text, payload_ids(key))
             return
         self.admit_waiting()
+        if self._staging.queued(key):
+            self._replies.payload(identity, Kind.QUEUED, key)
 
     def on_data(self, identity: bytes, message: Message) -> None:
         """Write a chunk in place, pass it on to the children, apply the payload once whole."""
@@ -181,9 +189,8 @@ class PayloadIntake:
             self._ready(staged.route, staged.key)
             record = self._ledger.record(staged.key[0])
             for address in self._topology.children(staged.root):
-                if record is not None:
+                if self.child(address).add(staged) and record is not None:
                     record.child(address).forwarded += 1
-                self.child(address).add(staged)
             self._local.add(staged)
 
     def _ready(self, identity: bytes, key: PayloadKey) -> None:
@@ -263,10 +270,15 @@ class PayloadIntake:
         self.admit_waiting()
 
     def expire(self, now: float) -> None:
-        """Fail silent children; drop payloads whose sender went quiet, and stale BEGINs."""
+        """Fail silent children; drop payloads whose sender went quiet; answer stale BEGINs BUSY."""
         for child in list(self.children.values()):
             child.expire(now)
-        stalled, expired = self._staging.idle(now, self._timeout_s)
+        for pending in self._staging.pending:
+            if now - pending.noticed >= self._timeout_s / 2:
+                pending.noticed = now
+                self._replies.payload(pending.route, Kind.QUEUED, pending.key)
+        queue_s = QUEUE_TIMEOUTS * self._timeout_s
+        stalled, expired = self._staging.idle(now, self._timeout_s, queue_s)
         for staged in stalled:
             key = staged.key
             record = self._ledger.record(key[0])
@@ -282,8 +294,9 @@ class PayloadIntake:
             staged.applied = True
             self._staging.release(staged)
             self._local.drop(staged)
-        if expired:
-            logger.info("relay %s: %d queued BEGINs expired", self._topology.own, len(expired))
+        for pending in expired:
+            text = f"no room in staging within {queue_s:.1f} s"
+            self._replies.nack(pending.route, NackCode.BUSY, text, payload_ids(pending.key))
         if stalled or expired:
             self.admit_waiting()
 

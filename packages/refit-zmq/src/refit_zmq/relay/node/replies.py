@@ -1,4 +1,4 @@
-"""Replies a relay sends on its ROUTER: READY, ACK, NACK and DONE, never blocking."""
+"""Replies a relay sends on its ROUTER: READY, QUEUED, ACK, NACK and DONE, never blocking."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Replies:
         self.send(identity, Kind.NACK, fields, sign=sign)
 
     def payload(self, identity: bytes, kind: Kind, key: PayloadKey, **extra: Any) -> None:
-        """READY or ACK for one payload."""
+        """READY, QUEUED or ACK for one payload."""
         self.send(identity, kind, {**payload_ids(key), "relay": self._topology.own, **extra})
 
     def done(self, identity: bytes, request_id: str, result: dict[str, Any]) -> None:

@@ -124,6 +124,7 @@ class Pending:
     fields: dict[str, Any]
     route: bytes
     since: float = field(default_factory=time.monotonic)
+    noticed: float = field(default_factory=time.monotonic)
 
 
 class Staging:
@@ -158,6 +159,10 @@ class Staging:
         if self.staged.pop(staged.key, None) is staged:
             self.reserved_bytes -= staged.total_bytes
             self._per_root[staged.root] -= 1
+
+    def queued(self, key: PayloadKey) -> bool:
+        """Whether a BEGIN of ``key`` waits for room."""
+        return any(pending.key == key for pending in self.pending)
 
     def wait(self, pending: Pending) -> bool:
         """Queue a BEGIN for room; False when the queue is full (answer BUSY)."""
@@ -201,12 +206,15 @@ class Staging:
             self.pending.remove(pending)
         return dropped
 
-    def idle(self, now: float, timeout_s: float) -> tuple[list[StagedPayload], list[Pending]]:
-        """Payloads still incomplete and BEGINs still queued after ``timeout_s``."""
+    def idle(
+        self, now: float, timeout_s: float, queue_s: float
+    ) -> tuple[list[StagedPayload], list[Pending]]:
+        """Payloads without a chunk for ``timeout_s``, and BEGINs queued for ``queue_s`` (taken
+        off the queue)."""
         stalled = [
             s for s in self.staged.values() if not s.complete and now - s.last_seen > timeout_s
         ]
-        expired = [p for p in self.pending if now - p.since > timeout_s]
+        expired = [p for p in self.pending if now - p.since > queue_s]
         for pending in expired:
             self.pending.remove(pending)
         return stalled, expired

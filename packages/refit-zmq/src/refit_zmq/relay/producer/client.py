@@ -23,7 +23,7 @@ from refit_zmq.codec.format import BytesLike, DeltaPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.errors import RETRYABLE, NackCode, error_for_nack
-from refit_zmq.relay.wire.frames import Kind, Message, encode, transfer_target
+from refit_zmq.relay.wire.frames import QUEUE_TIMEOUTS, Kind, Message, encode, transfer_target
 from refit_zmq.relay.wire.link import Link, LinkSettings
 from refit_zmq.relay.wire.reports import ApplyResult
 from refit_zmq.relay.wire.tuning import RelayTuning
@@ -224,10 +224,18 @@ class ZmqSparseRefitClient:
         frames: Sequence[BytesLike],
         deadline: Deadline,
     ) -> Message:
-        """BEGIN, wait for READY, stream the chunks, wait for ACK; the final reply."""
+        """BEGIN, wait for READY (each QUEUED starts the wait again, up to the relay's own
+        limit on queueing), stream the chunks, wait for ACK; the final reply."""
         begin = {**begin, "deadline_s": deadline.remaining_s()}
         self._send(link, encode(Kind.BEGIN, begin, self._signer), deadline)
-        reply = self._wait(link, key, (Kind.READY, Kind.ACK, Kind.NACK), deadline)
+        queued_s = (QUEUE_TIMEOUTS + 1) * self.timeout_s
+        queued_until = time.monotonic() + queued_s
+        answers = (Kind.READY, Kind.QUEUED, Kind.ACK, Kind.NACK)
+        reply = self._wait(link, key, answers, deadline)
+        while reply.kind is Kind.QUEUED and time.monotonic() < queued_until:
+            reply = self._wait(link, key, answers, deadline)
+        if reply.kind is Kind.QUEUED:
+            raise _NoReplyError(f"still queued after {queued_s:.1f} s")
         if reply.kind is not Kind.READY:
             return reply
         chunk_bytes = min(

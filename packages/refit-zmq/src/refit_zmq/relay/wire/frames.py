@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_HEADER_BYTES",
     "PROTOCOL",
+    "QUEUE_TIMEOUTS",
     "BytesLike",
     "Kind",
     "Message",
@@ -40,6 +41,9 @@ __all__ = [
 PROTOCOL = "refit-zmq/2"
 MAX_HEADER_BYTES = 256 * 1024
 MAX_RELAYS = 4096
+QUEUE_TIMEOUTS = 2.0
+"""A relay keeps a BEGIN waiting for room (answering QUEUED) at most this many of its
+``timeout_s``; room held for a silent child is freed within one."""
 _MAX_INT = (1 << 63) - 1
 _MAX_WAIT_S = 24 * 3600.0
 _IDENT = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
@@ -55,6 +59,7 @@ class Kind(enum.StrEnum):
     BEGIN = "BEGIN"
     DATA = "DATA"
     READY = "READY"
+    QUEUED = "QUEUED"
     ACK = "ACK"
     NACK = "NACK"
     FLUSH = "FLUSH"
@@ -195,6 +200,7 @@ REQUIRED: dict[Kind, frozenset[str]] = {
     | {"checksum", "total_bytes", "verification_candidates", "base", "target", "deadline_s"},
     Kind.DATA: _PAYLOAD | {"checksum", "total_bytes", "offset"},
     Kind.READY: _PAYLOAD | {"relay"},
+    Kind.QUEUED: _PAYLOAD | {"relay"},
     Kind.ACK: _PAYLOAD | {"relay", "duplicate", "result"},
     Kind.NACK: frozenset({"code", "message", "relay", "retryable"}),
     Kind.FLUSH: frozenset({"request_id", "transfer_id", "expected_payloads", "wait_s"}),

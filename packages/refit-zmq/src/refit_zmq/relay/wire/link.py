@@ -11,9 +11,14 @@ connection (nothing listens: the relay is gone) into an immediate failure, inste
 timeouts. The monitor lives only that long: it is stopped once the handshake succeeded or the
 connection was refused, because libzmq's I/O thread blocks on a full monitor pipe, and an
 unread monitor of a link to a dead address (one event per reconnect attempt) would stall
-every socket of the context after about a thousand attempts. Whoever owns a link drains its
+every socket of the context after about two thousand attempts. Whoever owns a link drains its
 monitor whenever it waits on it (:meth:`Link.poll_events`), and closes links it no longer
-uses (linger 0).
+uses (linger 0). Beyond that discipline, the monitor's pipe has no high-water mark (an
+unread monitor costs a few bytes per event instead of stalling the context), and a relay's
+own links to its children are not watched at all (``watched=False``: a child that refuses is
+found by the child timeout instead): relays under chaos were found with the I/O thread of
+their one context blocked in a monitor send, their listening socket no longer accepting, so
+that the controller declared live relays dead, and only their child links had monitors.
 """
 
 from __future__ import annotations
@@ -82,11 +87,14 @@ def _ms(seconds: float) -> int:
 
 @dataclass(frozen=True)
 class LinkSettings:
-    """What every link one side opens shares: its signer, the relays' CURVE key, the tuning."""
+    """What every link one side opens shares: its signer, the relays' CURVE key, the tuning,
+    and whether a socket monitor watches each link while it is being established (to raise a
+    failed handshake or a refused connection at once)."""
 
     signer: Signer
     curve: CurveConfig | None
     tuning: RelayTuning
+    watched: bool = True
 
     @classmethod
     def of(cls, signer: Signer, curve: CurveConfig | None, tuning: RelayTuning) -> LinkSettings:
@@ -135,8 +143,14 @@ class Link:
                 settings.curve.secure_client(sock)
             # A name of our own: pyzmq's default names the monitor after the socket's file
             # descriptor, which a later socket may reuse while the old endpoint still exists.
-            name = f"inproc://refit-link-monitor-{next(_MONITORS)}-{id(self):x}"
-            self._monitor = sock.get_monitor_socket(_EVENTS, addr=name)
+            if settings.watched:
+                name = f"inproc://refit-link-monitor-{next(_MONITORS)}-{id(self):x}"
+                sock.monitor(name, _EVENTS)
+                monitor = self._context.socket(zmq.PAIR)
+                monitor.setsockopt(zmq.LINGER, 0)
+                monitor.setsockopt(zmq.RCVHWM, 0)  # an inproc pipe is unbounded when one end is
+                monitor.connect(name)
+                self._monitor = monitor
             sock.connect(self.address)
             self._socket = sock
         return self._socket
