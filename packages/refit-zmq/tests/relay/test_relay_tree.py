@@ -182,17 +182,7 @@ def test_a_frozen_child_is_given_up_once_per_transfer_and_the_rest_goes_past_it(
             transfer_id = new_transfer_id(trainer.version + 1)
             os.kill(fleet.pids[1], signal.SIGSTOP)
             try:
-                stats = stream_sparse_delta_payloads_via_zmq(
-                    trainer.state,
-                    delta_tracker=trainer.shards[0].tracker,
-                    refit_targets=[root],
-                    transfer_id=transfer_id,
-                    api_key_env_var=None,
-                    timeout_s=3.0,
-                    shard_rank=0,
-                    shard_count=1,
-                    tuning=TUNING,
-                )
+                stats = _stream_one_shard(trainer, [root], transfer_id, timeout_s=3.0)
                 assert stats["payloads"] > 2 * TUNING.window_payloads, "enough for a cascade"
                 fields = {
                     "transfer_id": transfer_id,
@@ -245,17 +235,7 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
             before = held_digests(coordinator)
             trainer.step(seed=62)
             transfer_id = new_transfer_id(2)
-            stream_sparse_delta_payloads_via_zmq(
-                trainer.state,
-                delta_tracker=trainer.shards[0].tracker,
-                refit_targets=fleet.addresses,
-                transfer_id=transfer_id,
-                api_key_env_var=None,
-                timeout_s=15.0,
-                shard_rank=0,
-                shard_count=1,
-                tuning=TUNING,
-            )
+            _stream_one_shard(trainer, fleet.addresses, transfer_id, timeout_s=15.0)
             _, errors = coordinator.abort(transfer_id)  # relay 2 misses the rollback
             trainer.shards[0].tracker.abort()
             assert set(errors) == {fleet.addresses[2]}
@@ -351,3 +331,20 @@ def test_wedged_producer_is_named_at_the_deadline_and_nothing_is_half_applied(
         assert all(p.tracker.pending is None for p in trainer.shards)
     finally:
         trainer.close()
+
+
+def _stream_one_shard(
+    trainer: Trainer, targets: list[str], transfer_id: str, *, timeout_s: float
+) -> dict[str, int]:
+    """Stream the trainer's single shard as ``transfer_id`` (no FLUSH, no decision)."""
+    return stream_sparse_delta_payloads_via_zmq(
+        trainer.state,
+        delta_tracker=trainer.shards[0].tracker,
+        refit_targets=targets,
+        transfer_id=transfer_id,
+        api_key_env_var=None,
+        timeout_s=timeout_s,
+        shard_rank=0,
+        shard_count=1,
+        tuning=TUNING,
+    )
