@@ -51,7 +51,13 @@ def local_ray(
     # Under `uv run`, Ray would re-create the uv environment for every worker (seconds per
     # actor); local workers already share this interpreter's environment.
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+    # Ray starts its workers at nice 15; beside any busy process at nice 0 they then get a few
+    # percent of a core, and every deadline on an actor call is missed. The actors here are
+    # the engines and trainers under test, so they run at the driver's priority.
+    system_config = {"worker_niceness": 0, **init_kwargs.pop("_system_config", {})}
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, _system_config=system_config, **init_kwargs
+    )
     logger.info("local Ray cluster started with %d CPUs", num_cpus)
     try:
         yield
