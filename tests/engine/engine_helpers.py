@@ -23,7 +23,7 @@ MODEL = {
     "num_attention_heads": 2,  # head_dim 64 (vLLM's CPU attention refuses 16), split over 2 ranks
     "num_key_value_heads": 2,
     "vocab_size": 4000,  # 1 MB embeddings: a collective refit takes several 1 MiB buckets
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 1024,  # the in-flight test generates 600 tokens
     "tie_word_embeddings": False,
     "initializer_range": 0.1,
 }

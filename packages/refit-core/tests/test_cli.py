@@ -35,7 +35,7 @@ def test_backends_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert record["status"] == ("installed" if installed else "missing")
         assert record["version"] == (__version__ if installed else None)
         assert record["install_hint"] == (None if installed else row.install_hint)
-        staging = {"vllm.non-colocated.collective"}  # the rows that stage today
+        staging = {"vllm.non-colocated.collective", "vllm.non-colocated.zmq_sparse"}
         assert record["can_stage"] is ((row.key in staging) if installed else None), row.key
     collective = records["vllm.non-colocated.collective"]
     if collective["status"] == "installed":

@@ -265,6 +265,16 @@ def test_an_aborted_staging_changes_nothing_and_frees_the_next_refit() -> None:
     assert sync.staged is None and sync.version == 0
 
 
+def test_recover_drops_a_pending_staging_first() -> None:
+    sync = StagingSynchronizer({0: 0, 1: 0})
+    sync.sync_weights()
+    sync.stage_weights()
+    report = sync.recover()
+    assert sync.calls == ["init", "sync:1", "stage:2", "abort:2", "reconcile:[]", "close_open"]
+    assert sync.staged is None and sync.beside == {} and report.resync is None
+    assert sync.stage_weights().version == 2, "the next staging starts afresh"
+
+
 def test_a_row_that_cannot_stage_says_so() -> None:
     with pytest.raises(NotImplementedError, match="RecordingSynchronizer cannot stage"):
         RecordingSynchronizer().stage_weights()

@@ -216,7 +216,8 @@ class WeightSynchronizer(ABC):
         that do not answer, finishes transfers a fault left open, and, when the live
         engines are closed, disagree or serve another version than this synchronizer,
         runs a dense refit of the trainer's current weights to a new version above every
-        version served. Each step has the refit's deadline.
+        version served. A pending staging is aborted first. Each step has the refit's
+        deadline.
 
         Raises:
             RefitError: a step failed (the fleet is then as :meth:`status` says).
@@ -224,6 +225,15 @@ class WeightSynchronizer(ABC):
         with self._lock:
             self._require_open()
             deadline = self._deadline()
+            staged, self._staged = self._staged, None
+            if staged is not None:
+                logger.warning(
+                    "%s: dropping staged version %d", type(self).__name__, staged.version
+                )
+                self._run_hook(
+                    f"abort of staged version {staged.version}",
+                    lambda: self._abort_staged(staged, deadline),
+                )
             before = self._run_hook("status", lambda: self._fleet_status(deadline))
             dropped = before.shards(EngineHealth.UNREACHABLE)
             logger.info("%s: recovering from %s", type(self).__name__, before.describe())

@@ -26,4 +26,5 @@ VLLM_ZMQ_SPARSE = BackendRow(
         "delta into the model fails"
     ),
     options="refit_zmq.sparse:ZmqSparseOptions",
+    can_stage=True,
 )

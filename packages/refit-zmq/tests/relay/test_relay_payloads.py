@@ -110,7 +110,7 @@ def test_same_id_with_another_checksum_is_refused(
         _send(client, transfer_id, 0, payloads[0])
         with pytest.raises(TransferConflictError, match="CONFLICT"):
             _send(client, transfer_id, 0, payloads[1])
-    coordinator.abort(transfer_id)
+    coordinator.decide(transfer_id, False)
     trainer.shards[0].tracker.abort()
     assert held_digests(coordinator) == before
 
@@ -143,7 +143,7 @@ def test_finished_transfer_ids_are_refused(
     committed = trainer.transfer(coordinator, api_key_env_var=KEY_VAR).outcome.transfer_id
     payload = _payloads(trainer, seed=5)[0]
     aborted = new_transfer_id(trainer.version + 1)
-    coordinator.abort(aborted)
+    coordinator.decide(aborted, False)
     with _client(keyed_relay) as client:
         for old in (committed, aborted):
             with pytest.raises(StaleTransferError, match="STALE_TRANSFER"):

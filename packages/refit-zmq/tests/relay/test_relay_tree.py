@@ -38,7 +38,9 @@ from refit_zmq.relay import (
     SubtreeReport,
     TransferOptions,
     TransferState,
+    decide_transfer,
     new_transfer_id,
+    prepare_transfer,
     run_transfer,
     stream_sparse_delta_payloads_via_zmq,
 )
@@ -195,7 +197,7 @@ def test_a_frozen_child_is_given_up_once_per_transfer_and_the_rest_goes_past_it(
                 assert report.applied == stats["payloads"], "the root applied every payload"
                 counts = report.children[frozen]
                 assert counts.failed == counts.forwarded <= TUNING.window_payloads
-                coordinator.abort(transfer_id)
+                coordinator.decide(transfer_id, False)
                 trainer.shards[0].tracker.abort()
                 assert held_digests(coordinator)[root] == before
             finally:
@@ -236,7 +238,7 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
             trainer.step(seed=62)
             transfer_id = new_transfer_id(2)
             _stream_one_shard(trainer, fleet.addresses, transfer_id, timeout_s=15.0)
-            _, errors = coordinator.abort(transfer_id)  # relay 2 misses the rollback
+            _, errors = coordinator.decide(transfer_id, False)  # relay 2 misses the rollback
             trainer.shards[0].tracker.abort()
             assert set(errors) == {fleet.addresses[2]}
             unrolled = coordinator.status()[fleet.addresses[2]]
@@ -348,3 +350,45 @@ def _stream_one_shard(
         shard_count=1,
         tuning=TUNING,
     )
+
+
+def test_a_prepared_transfer_waits_for_its_decision_and_an_abort_keeps_the_baselines(
+    fleet: RelayFleet, coordinator: RelayCoordinator
+) -> None:
+    """The two phases apart (a staged refit): every relay holds the transfer prepared, with
+    its version unmoved, until the decision; after an abort the trackers' baselines are
+    the receivers' bits, so the next transfer is again a delta and lands bitwise."""
+    trainer = fresh_trainer(coordinator, seed=15, shard_count=2)
+    try:
+        before = digests(trainer.state)
+        trainer.step(seed=500)
+        options = TransferOptions(None, 15.0, TUNING, None, 32)
+        prepared = prepare_transfer(
+            coordinator,
+            trainer.participants,
+            target_version=trainer.version + 1,
+            resync=False,
+            options=options,
+        )
+        time.sleep(1.0)  # the decision may come later: nothing settles it meanwhile
+        statuses = coordinator.status()
+        assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {
+            trainer.version
+        }
+        assert all(
+            isinstance(s, RelayStatus)
+            and s.transfer is not None
+            and s.transfer.state is TransferState.PREPARED
+            for s in statuses.values()
+        ), statuses
+        aborted = decide_transfer(
+            coordinator, trainer.participants, prepared, commit=False, options=options
+        )
+        assert not aborted.outcome.committed and not aborted.outcome.decision_errors
+        assert all(d == before for d in held_digests(coordinator).values()), "rolled back"
+        result = trainer.transfer(coordinator)  # the same step again, as a delta
+        dense = sum(t.numel() * t.element_size() for t in trainer.state.values())
+        assert result.total("wire_bytes") < dense / 10, "the abort forced no resync"
+        assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
+    finally:
+        trainer.close()

@@ -140,6 +140,16 @@ def test_dead_relay_is_named_then_left_out(engines: EngineFleet) -> None:
         assert _bitwise(engines, trainer)[:2] == [True, True]
 
 
+def test_engines_whose_relays_apply_in_place_cannot_stage(engines: EngineFleet) -> None:
+    engines.reset(seed=450)
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 4))
+    with _synchronizer(trainer, engines) as synchronizer:
+        with pytest.raises(NotImplementedError, match="ZmqSparseWeightSynchronizer cannot stage"):
+            synchronizer.stage_weights()
+        assert synchronizer.staged is None
+        assert synchronizer.sync_weights().version == 1, "a one-phase refit still runs"
+
+
 def _ray_synchronizer(trainer: RayTrainer, engines: EngineFleet) -> Any:
     return create_weight_synchronizer(
         trainer,

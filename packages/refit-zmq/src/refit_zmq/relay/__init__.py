@@ -32,7 +32,13 @@ if TYPE_CHECKING:
         new_transfer_id,
     )
     from refit_zmq.relay.coordinator.outcome import TransferOutcome
-    from refit_zmq.relay.coordinator.transfer import TransferResult, run_transfer
+    from refit_zmq.relay.coordinator.transfer import (
+        PreparedTransfer,
+        TransferResult,
+        decide_transfer,
+        prepare_transfer,
+        run_transfer,
+    )
     from refit_zmq.relay.node.server import ZmqSparseRefitServer
     from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
     from refit_zmq.relay.producer.shard import (
@@ -107,6 +113,7 @@ __all__ = [
     "NackCode",
     "OutcomeReply",
     "PayloadSink",
+    "PreparedTransfer",
     "Receiver",
     "ReceiverOpen",
     "ReceiverStatus",
@@ -132,8 +139,10 @@ __all__ = [
     "ZmqSparseRefitClient",
     "ZmqSparseRefitServer",
     "admit_target",
+    "decide_transfer",
     "deliver_payloads",
     "new_transfer_id",
+    "prepare_transfer",
     "run_transfer",
     "stream_sparse_delta_payloads_via_zmq",
 ]

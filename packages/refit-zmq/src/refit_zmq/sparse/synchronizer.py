@@ -27,6 +27,7 @@ from refit_core import (
     RefitError,
     RefitResult,
     RefitTimeoutError,
+    StagedRefit,
     WeightSynchronizer,
     WorkerError,
     WorkerOutcome,
@@ -34,13 +35,15 @@ from refit_core import (
 from refit_core.backend import Deadline, Participant, gather
 from refit_zmq.relay import (
     CurveConfig,
+    PreparedTransfer,
     RelayCoordinator,
     RelayStatus,
     RelayTuning,
     ShardProducerRole,
     TransferOptions,
     TransferResult,
-    run_transfer,
+    decide_transfer,
+    prepare_transfer,
 )
 from refit_zmq.relay.coordinator.outcome import relay_error
 from refit_zmq.relay.wire.auth import api_key_from_env
@@ -100,6 +103,13 @@ class ZmqSparseOptions:
 class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     """Sparse delta refits from a trainer into engines whose workers run relays.
 
+    Two-phase refits (``stage_weights``, then ``commit_weights`` or ``abort_weights``) need
+    engines whose relays hold the writes aside until the commit (``on_commit`` given: vLLM's
+    workers): staging streams and prepares the transfer on every relay while the engines
+    serve; committing delivers COMMIT to every relay and calls ``on_commit``; aborting
+    delivers ABORT, which drops the held writes. Meanwhile the producers' trackers keep the
+    transfer pending, so an abort costs the next refit nothing (it is again a delta).
+
     Args:
         producers: one participant per shard, in shard order, each reaching a
             :class:`~refit_zmq.relay.ShardProducer` (a trainer rank's Ray actor, or an object
@@ -111,6 +121,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         on_commit: called with the version once every relay committed it, for engines whose
             relay writes a copy that must then be loaded (vLLM); its error fails the refit.
     """
+
+    supports_staging = True
 
     def __init__(
         self,
@@ -131,6 +143,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         self._coordinator: RelayCoordinator | None = None
         self._shards: dict[str, int] = {}
         self._stale = False
+        self._prepared: dict[str, tuple[PreparedTransfer, bool, float]] = {}
 
     @property
     def options(self) -> ZmqSparseOptions:
@@ -234,9 +247,58 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         return call if left is None else max(0.05, min(call, left / attempts))
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
+        started = time.monotonic()
+        prepared, resync = self._prepare(version, deadline)
+        return self._commit(prepared, version, deadline, started=started, resync=resync)
+
+    def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
+        """Phase one on every relay: streamed, verified and prepared beside what each engine
+        serves (a vLLM worker's relay holds the writes aside; the model is not touched)."""
+        if self._on_commit is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot stage for these engines: their relays apply "
+                "payloads in place (an EngineRelay), so a transfer changes what they serve; "
+                "engines whose relays hold the writes aside (vLLM's) can"
+            )
+        started = time.monotonic()
+        prepared, resync = self._prepare(version, deadline)
+        self._prepared[prepared.transfer_id] = (prepared, resync, started)
+        flushed = TransferResult(
+            prepared.flushed, prepared.shards, prepared.stream_s, prepared.flush_s
+        )
+        staged = self._result(version, flushed, time.monotonic() - started, resync=resync)
+        return StagedRefit(version, prepared.transfer_id, staged)
+
+    def _commit_staged(self, staged: StagedRefit, deadline: Deadline) -> RefitResult:
+        prepared, resync, started = self._prepared.pop(staged.staging_id)
+        return self._commit(prepared, staged.version, deadline, started=started, resync=resync)
+
+    def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
+        prepared, _, _ = self._prepared.pop(staged.staging_id)
+        coordinator = self._control(deadline)
+        result = decide_transfer(
+            coordinator,
+            self._producers,
+            prepared,
+            commit=False,
+            options=self._transfer_options(deadline),
+            deadline=deadline,
+        )
+        missed = sorted(result.outcome.decision_errors)
+        if missed:  # they abort it with their peers, or the next refit's reconcile does
+            logger.warning("relays %s did not confirm the abort of %s", missed, staged.staging_id)
+            self._stale = True
+
+    def _prepare(self, version: int, deadline: Deadline) -> tuple[PreparedTransfer, bool]:
+        """Phase one of a refit to ``version``: finish what a relay still holds open, pick
+        delta or dense resync, stream and flush; the prepared transfer and whether it
+        resyncs.
+
+        Raises:
+            RefitError: nothing was prepared anywhere (the transfer was aborted).
+        """
         coordinator = self._coordinator
         assert coordinator is not None
-        started = time.monotonic()
         coordinator.timeout_s = self._call_timeout(deadline)
         statuses = coordinator.close_open_transfers(deadline=deadline)
         unreachable = {a: s for a, s in statuses.items() if isinstance(s, RefitError)}
@@ -266,7 +328,6 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                 f"refit to version {version}: the deadline passed before streaming began",
                 engines=untouched,
             )
-        options = self._options
         expected = (
             self._on_producers(
                 "refit_digests",
@@ -275,22 +336,16 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                 count=1,
                 engines=untouched,
             )[0]
-            if options.verify_digests
+            if self._options.verify_digests
             else None
         )
         try:
-            result = run_transfer(
+            prepared = prepare_transfer(
                 coordinator,
                 self._producers,
                 target_version=version,
                 resync=bool(behind),
-                options=TransferOptions(
-                    options.api_key_env_var,
-                    self._call_timeout(deadline),
-                    options.tuning,
-                    options.curve,
-                    options.verification_candidates,
-                ),
+                options=self._transfer_options(deadline),
                 expected_digests=expected,
                 deadline=deadline,
                 shards=self._tree_shards(),
@@ -299,9 +354,39 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             # a relay or producer stopped answering: rebuild before the next refit
             self._stale |= isinstance(error, RefitTimeoutError) or bool(error.wedged_workers)
             raise
+        return prepared, bool(behind)
+
+    def _commit(
+        self,
+        prepared: PreparedTransfer,
+        version: int,
+        deadline: Deadline,
+        *,
+        started: float,
+        resync: bool,
+    ) -> RefitResult:
+        """Phase two: commit on every relay, then let the engines serve it (``on_commit``)."""
+        result = decide_transfer(
+            self._control(deadline),
+            self._producers,
+            prepared,
+            commit=True,
+            options=self._transfer_options(deadline),
+            deadline=deadline,
+        )
         if self._on_commit is not None:
             self._on_commit(version)
-        return self._result(version, result, time.monotonic() - started, resync=bool(behind))
+        return self._result(version, result, time.monotonic() - started, resync=resync)
+
+    def _transfer_options(self, deadline: Deadline) -> TransferOptions:
+        options = self._options
+        return TransferOptions(
+            options.api_key_env_var,
+            self._call_timeout(deadline),
+            options.tuning,
+            options.curve,
+            options.verification_candidates,
+        )
 
     def _tree_shards(self) -> dict[str, int]:
         """Relay address -> shard index, for the relays of the tree."""

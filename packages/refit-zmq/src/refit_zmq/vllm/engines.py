@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit_core import EngineReport, EngineState, WorkerError
-from refit_core.vllm import VllmGate
+from refit_core.vllm import VllmGate, vllm_client
 
 __all__ = ["VllmEngine", "call_workers", "start_receivers"]
 
@@ -17,21 +17,22 @@ logger = logging.getLogger(__name__)
 
 
 class VllmEngine:
-    """One offline ``vllm.LLM`` engine whose workers each run a refit-zmq receiver.
+    """One vLLM engine whose workers each run a refit-zmq receiver.
 
     Args:
-        llm: the engine.
+        llm: the engine: an offline ``vllm.LLM``, or an ``AsyncLLM`` as
+            :class:`~refit_core.vllm.AsyncVllm`.
         shard: its index among the generation's engines.
         addresses: its workers' receiver addresses, in worker-rank order.
         timeout_s: bound of every RPC that carries no deadline of its own.
     """
 
     def __init__(self, llm: Any, shard: int, addresses: Sequence[str], timeout_s: float) -> None:
-        self.llm = llm
         self.shard = shard
         self.label = f"vllm engine {shard}"
         self.addresses = list(addresses)
         self.gate = VllmGate(llm, self.label)
+        self.client = self.gate.client
         self._timeout_s = timeout_s
 
     def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -42,7 +43,7 @@ class VllmEngine:
             WorkerError: naming the workers that failed.
         """
         bound = self._timeout_s if timeout_s is None else timeout_s
-        return call_workers(self.llm, self.label, method, args, bound)
+        return call_workers(self.client, self.label, method, args, bound)
 
     def settle(self, reason: str) -> EngineReport:
         """After a failed refit: closed if a worker's model was written, else reopened on the
@@ -73,13 +74,13 @@ def start_receivers(
 def call_workers(
     llm: Any, label: str, method: str, args: tuple[Any, ...], timeout_s: float | None
 ) -> list[Any]:
-    """``method(*args)`` on every worker of ``llm`` through ``refit_zmq_call``; one result per
-    worker.
+    """``method(*args)`` on every worker of ``llm`` (a ``vllm.LLM`` or a
+    :class:`~refit_core.vllm.VllmClient`) through ``refit_zmq_call``; one result per worker.
 
     Raises:
         WorkerError: naming the workers (ranks) that failed and why.
     """
-    replies = llm.collective_rpc("refit_zmq_call", timeout=timeout_s, args=(method, *args))
+    replies = vllm_client(llm).collective_rpc("refit_zmq_call", timeout_s, (method, *args))
     failed = {rank: value for rank, (ok, value) in enumerate(replies) if not ok}
     if failed:
         reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())

@@ -19,6 +19,7 @@ their own (see PROTOCOL.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -230,14 +231,30 @@ class RelayCoordinator:
         expected_digests: Mapping[str, int] | None = None,
         deadline: Deadline | None = None,
     ) -> TransferOutcome:
-        """Flush every relay, decide, and deliver the decision.
+        """Flush every relay (:meth:`flush`), decide, and deliver the decision."""
+        deadline = deadline or Deadline.never()
+        flushed = self.flush(
+            transfer_id, expected_payloads, expected_digests=expected_digests, deadline=deadline
+        )
+        decisions, errors = self.decide(transfer_id, flushed.committed, deadline=deadline)
+        return dataclasses.replace(flushed, decisions=decisions, decision_errors=errors)
+
+    def flush(
+        self,
+        transfer_id: str,
+        expected_payloads: int,
+        *,
+        expected_digests: Mapping[str, int] | None = None,
+        deadline: Deadline | None = None,
+    ) -> TransferOutcome:
+        """Phase one's end: FLUSH every relay and tell whether the transfer may commit
+        (``committed``: every relay prepared it); nothing is decided or delivered yet.
 
         Args:
             transfer_id: the transfer the producers streamed.
             expected_payloads: how many payloads every relay must have applied.
             expected_digests: name -> ``tensor_digest`` every receiver must now hold.
-            deadline: the refit's deadline: relays answer the FLUSH by it and the decision
-                is delivered for at most :data:`DECISION_GRACE_S` after it (None: each relay
+            deadline: the refit's deadline: relays answer the FLUSH by it (None: each relay
                 may wait ``timeout_s`` for its payloads).
         """
         deadline = deadline or Deadline.never()
@@ -274,28 +291,20 @@ class RelayCoordinator:
         if expected_digests is not None:
             failures.extend(_digest_mismatches(reports, expected_digests))
         committed = not failures and all(r.complete for r in reports.values())
-        decisions, errors = self._decide(transfer_id, committed, deadline)
-        return TransferOutcome(
-            transfer_id, committed, reports, tuple(failures), decisions, errors, causes
-        )
-
-    def abort(
-        self, transfer_id: str, *, deadline: Deadline | None = None
-    ) -> tuple[dict[str, CommitReply | AbortReply], dict[str, RefitError]]:
-        """Decide abort without a flush (a producer failed): every relay's confirmation, and
-        the relays that did not confirm with why."""
-        return self._decide(transfer_id, False, deadline or Deadline.never())
+        return TransferOutcome(transfer_id, committed, reports, tuple(failures), causes=causes)
 
     def _record(self, transfer_id: str, commit: bool) -> None:
         self._decisions[transfer_id] = commit
         while len(self._decisions) > _DECISIONS_KEPT:
             self._decisions.popitem(last=False)
 
-    def _decide(
-        self, transfer_id: str, commit: bool, deadline: Deadline
+    def decide(
+        self, transfer_id: str, commit: bool, *, deadline: Deadline | None = None
     ) -> tuple[dict[str, CommitReply | AbortReply], dict[str, RefitError]]:
         """Record the decision, then deliver it to every relay (for at most
-        :data:`DECISION_GRACE_S` past the deadline)."""
+        :data:`DECISION_GRACE_S` past the deadline); every relay's confirmation, and the
+        relays that did not confirm with why."""
+        deadline = deadline or Deadline.never()
         self._record(transfer_id, commit)
         kind = Kind.COMMIT if commit else Kind.ABORT
         until = None

@@ -1,4 +1,5 @@
-"""One whole transfer: every producer streams its shard at once, then the coordinator decides.
+"""One whole transfer: every producer streams its shard at once, then the coordinator decides
+(at once, or later for a staged refit: :func:`prepare_transfer`, :func:`decide_transfer`).
 
 Producers are :class:`~refit_zmq.relay.producer.shard.ShardProducer` objects reached as
 participants (Ray actors on the trainer ranks, or objects in this process). Their trackers
@@ -9,6 +10,7 @@ every receiver holds (or a dense resync when asked).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -24,7 +26,13 @@ from refit_zmq.relay.coordinator.coordinator import (
 from refit_zmq.relay.coordinator.outcome import TransferOutcome
 from refit_zmq.relay.producer.shard import ShardProducerRole, StreamOrder, TransferOptions
 
-__all__ = ["TransferResult", "run_transfer"]
+__all__ = [
+    "PreparedTransfer",
+    "TransferResult",
+    "decide_transfer",
+    "prepare_transfer",
+    "run_transfer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,22 @@ class TransferResult:
         return sum(shard[key] for shard in self.shards)
 
 
+@dataclass(frozen=True)
+class PreparedTransfer:
+    """A transfer every relay prepared (streamed, verified, undo kept), awaiting the decision
+    (:func:`decide_transfer`); the producers' trackers still hold it as pending."""
+
+    flushed: TransferOutcome
+    shards: list[dict[str, int]]
+    stream_s: float
+    flush_s: float
+
+    @property
+    def transfer_id(self) -> str:
+        """The transfer."""
+        return self.flushed.transfer_id
+
+
 def run_transfer(
     coordinator: RelayCoordinator,
     producers: Sequence[Participant[ShardProducerRole]],
@@ -59,13 +83,41 @@ def run_transfer(
     deadline: Deadline | None = None,
     shards: Mapping[str, int] | None = None,
 ) -> TransferResult:
-    """Let every producer stream (concurrently, each rooted at its own relay) and finish.
+    """Both phases at once: :func:`prepare_transfer`, then commit (:func:`decide_transfer`)."""
+    prepared = prepare_transfer(
+        coordinator,
+        producers,
+        target_version=target_version,
+        resync=resync,
+        options=options,
+        expected_digests=expected_digests,
+        deadline=deadline,
+        shards=shards,
+    )
+    return decide_transfer(
+        coordinator, producers, prepared, commit=True, options=options, deadline=deadline
+    )
+
+
+def prepare_transfer(
+    coordinator: RelayCoordinator,
+    producers: Sequence[Participant[ShardProducerRole]],
+    *,
+    target_version: int,
+    resync: bool,
+    options: TransferOptions,
+    expected_digests: Mapping[str, int] | None = None,
+    deadline: Deadline | None = None,
+    shards: Mapping[str, int] | None = None,
+) -> PreparedTransfer:
+    """Let every producer stream (concurrently, each rooted at its own relay) and flush
+    every relay: phase one, which leaves every relay's receiver on its version.
 
     Args:
         deadline: the refit's deadline: it travels with every payload (a relay aborts a
             transfer it has not prepared by then), and bounds the producers' streams (a
-            producer still streaming then is named as wedged), the flush and the delivery
-            of the decision (see :meth:`RelayCoordinator.finish`).
+            producer still streaming then is named as wedged) and the flush (see
+            :meth:`RelayCoordinator.flush`).
         shards: relay address -> its shard index, for the error (default: tree order).
 
     Raises:
@@ -87,25 +139,49 @@ def run_transfer(
     streamed = time.monotonic()
     if not streams.ok:
         logger.warning("transfer %s: a producer failed; aborting", transfer_id)
-        decisions, errors = coordinator.abort(transfer_id, deadline=deadline)
+        decisions, errors = coordinator.decide(transfer_id, False, deadline=deadline)
         answered = [p for p in producers if p not in streams.missing]
         _settle(answered, commit=False, wait_s=_settle_s(options, deadline))
         aborted = TransferOutcome(transfer_id, False, {}, (), decisions, errors)
         missing = [p.label for p in streams.missing]
         raise _producer_error(streams.errors, missing, aborted, shards)
     stats = [streams.results[p] for p in producers]
-    outcome = coordinator.finish(
+    flushed = coordinator.flush(
         transfer_id,
         sum(s["payloads"] for s in stats),
         expected_digests=expected_digests,
         deadline=deadline,
     )
-    unsettled = _settle(producers, commit=outcome.committed, wait_s=_settle_s(options, deadline))
-    if not outcome.committed:
-        raise outcome.error(shards, target=target_version)
-    return TransferResult(
-        outcome, stats, streamed - started, time.monotonic() - streamed, unsettled
+    if not flushed.committed:
+        decisions, errors = coordinator.decide(transfer_id, False, deadline=deadline)
+        _settle(producers, commit=False, wait_s=_settle_s(options, deadline))
+        aborted = dataclasses.replace(flushed, decisions=decisions, decision_errors=errors)
+        raise aborted.error(shards, target=target_version)
+    return PreparedTransfer(flushed, stats, streamed - started, time.monotonic() - streamed)
+
+
+def decide_transfer(
+    coordinator: RelayCoordinator,
+    producers: Sequence[Participant[ShardProducerRole]],
+    prepared: PreparedTransfer,
+    *,
+    commit: bool,
+    options: TransferOptions,
+    deadline: Deadline | None = None,
+) -> TransferResult:
+    """Phase two: deliver the decision on ``prepared`` to every relay, then commit or abort
+    the producers' trackers. Relays that did not confirm are in the outcome's
+    ``decision_errors`` (they settle the transfer with their peers, or the next
+    :meth:`RelayCoordinator.close_open_transfers` finishes it)."""
+    deadline = deadline or Deadline.never()
+    started = time.monotonic()
+    decisions, errors = coordinator.decide(prepared.transfer_id, commit, deadline=deadline)
+    unsettled = _settle(producers, commit=commit, wait_s=_settle_s(options, deadline))
+    outcome = dataclasses.replace(
+        prepared.flushed, committed=commit, decisions=decisions, decision_errors=errors
     )
+    finish_s = prepared.flush_s + time.monotonic() - started
+    return TransferResult(outcome, prepared.shards, prepared.stream_s, finish_s, unsettled)
 
 
 def _settle_s(options: TransferOptions, deadline: Deadline) -> float:
