@@ -188,11 +188,15 @@ def served(checkpoints: Checkpoints) -> Iterator[Served]:
     async def start() -> Any:
         return AsyncLLM.from_engine_args(arguments)
 
+    async def stop(engine: Any) -> None:
+        engine.shutdown()  # on its loop, so that its output task ends before the loop does
+        await asyncio.sleep(0.1)
+
     engine = loop.run(start())
     try:
         yield Served(engine, CountingAsyncVllm(engine, loop.loop), loop)
     finally:
-        engine.shutdown()
+        loop.run(stop(engine))
         loop.close()
 
 
