@@ -283,6 +283,7 @@ def test_requests_in_flight_cross_a_commit_and_switch_weights_once(
     result = synchronizer.commit_weights(staged)
     assert served.client.pauses == pauses + 1
     assert result.version == version + 1
+    assert 0 < result.timings_s["pause"] < result.total_s, result.timings_s
 
     for request in during.finished():
         _switch_index(request, version)

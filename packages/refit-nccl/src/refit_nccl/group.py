@@ -472,10 +472,13 @@ class AbortableProcessGroup:
                 work.wait(timedelta(seconds=max(wait_s, _MIN_WAIT_S)))
                 return
             except RuntimeError:
-                # The call itself ended (failed or timed out by the group's own timeout),
-                # or the whole wait is spent: nothing more to wait for.
-                if wait_s >= left_s or cast(RewaitableHandle, work).is_completed():
+                if wait_s >= left_s:  # the whole wait is spent
                     raise
+                if cast(RewaitableHandle, work).is_completed():
+                    # The call ended, possibly just as the slice timed out: its own outcome
+                    # (success, or the group's error) decides, not the slice's timeout.
+                    work.wait(timedelta(seconds=_MIN_WAIT_S))
+                    return
             cause = self._abort_cause
             if cause is not None:
                 raise RefitAbortedError(

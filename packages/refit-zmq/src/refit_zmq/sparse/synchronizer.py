@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from refit_core import (
@@ -365,7 +365,10 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         started: float,
         resync: bool,
     ) -> RefitResult:
-        """Phase two: commit on every relay, then let the engines serve it (``on_commit``)."""
+        """Phase two: commit on every relay, then let the engines serve it (``on_commit``).
+
+        Timings add ``transfer`` (streaming, flush and decision) and ``pause`` (the time in
+        ``on_commit``, which bounds every engine's pause: vLLM engines pause there)."""
         result = decide_transfer(
             self._control(deadline),
             self._producers,
@@ -374,9 +377,13 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
             options=self._transfer_options(deadline),
             deadline=deadline,
         )
+        serving = time.monotonic()
         if self._on_commit is not None:
             self._on_commit(version)
-        return self._result(version, result, time.monotonic() - started, resync=resync)
+        done = time.monotonic()
+        refit = self._result(version, result, done - started, resync=resync)
+        moved = {"transfer": result.stream_s + result.finish_s, "pause": done - serving}
+        return replace(refit, timings_s={**refit.timings_s, **moved})
 
     def _transfer_options(self, deadline: Deadline) -> TransferOptions:
         options = self._options
