@@ -28,6 +28,7 @@ MODEL = {
     "initializer_range": 0.1,
 }
 CHANGED_FRACTION = 0.01
+SPARSE_BUCKET_GB = 32 / 1024 / 1024  # 32 KiB of dense input per payload: dozens per refit
 PROMPT_TOKENS = 160  # spans full KV blocks, so the prefix cache holds them
 NEW_TOKENS = 8
 
@@ -206,3 +207,22 @@ def generate(llm: Any, *, expect_cached: bool | None = None) -> Outputs:
     if expect_cached is not None:
         assert (min(cached) > 0) == expect_cached, f"cached prompt tokens: {cached}"
     return outputs
+
+
+def sparse_synchronizer(policy: CheckpointPolicy, relays: Any, timeout_s: float) -> Any:
+    """The factory's zmq_sparse synchronizer from ``policy`` into ``relays`` (a relay
+    generation), as a framework builds it; a context manager."""
+    from refit_core import create_weight_synchronizer
+    from refit_lab.ray_cluster import LocalCluster
+
+    return create_weight_synchronizer(
+        policy,
+        relays,
+        "vllm",
+        False,
+        train_cluster=LocalCluster(1),
+        inference_cluster=LocalCluster(1),
+        refit_buffer_size_gb=SPARSE_BUCKET_GB,
+        refit_timeout_s=timeout_s,
+        transport="zmq_sparse",
+    )

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-from engine_helpers import MODEL, CheckpointPolicy, Checkpoints
+from engine_helpers import MODEL, CheckpointPolicy, Checkpoints, sparse_synchronizer
 
-from refit_core import EngineState, RefitError, WeightSynchronizer, create_weight_synchronizer
+from refit_core import EngineState, RefitError, WeightSynchronizer
 from refit_core.vllm import AsyncVllm
-from refit_lab.ray_cluster import LocalCluster
 from refit_lab.zmq_faults import CorruptingRelayProxy, PartitioningRelayProxy, ProxiedRelays
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -35,7 +34,6 @@ _T = TypeVar("_T")
 IN_FLIGHT = 8
 PROMPT_TOKENS = 16
 NEW_TOKENS = 600  # long enough that a refit lands inside every request
-BUCKET_GB = 32 / 1024 / 1024
 DEADLINE_S = 60.0
 CUT_DEADLINE_S = 10.0  # the refit that loses its relay waits this long
 
@@ -234,16 +232,8 @@ def policy(checkpoints: Checkpoints) -> CheckpointPolicy:
 def synchronizer(
     generation: Any, corrupt: CorruptingRelayProxy, policy: CheckpointPolicy
 ) -> Iterator[WeightSynchronizer]:
-    with create_weight_synchronizer(
-        policy,
-        ProxiedRelays(generation, corrupt),
-        "vllm",
-        False,
-        train_cluster=LocalCluster(1),
-        inference_cluster=LocalCluster(1),
-        refit_buffer_size_gb=BUCKET_GB,
-        refit_timeout_s=DEADLINE_S,
-        transport="zmq_sparse",
+    with sparse_synchronizer(
+        policy, ProxiedRelays(generation, corrupt), DEADLINE_S
     ) as synchronizer:
         synchronizer.sync_weights(1)  # the first refit: a dense resync to the bits it serves
         yield synchronizer

@@ -13,16 +13,22 @@ from typing import Any
 
 import pytest
 from child_trainer import ChildParticipant, sparse_producer
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
+from engine_helpers import (
+    SPARSE_BUCKET_GB,
+    CheckpointPolicy,
+    Checkpoints,
+    Engine,
+    generate,
+    running_engine,
+    sparse_synchronizer,
+)
 
-from refit_core import RefitError, WeightSynchronizer, create_weight_synchronizer
+from refit_core import RefitError, WeightSynchronizer
 from refit_lab.digest import state_digest
-from refit_lab.ray_cluster import LocalCluster
 from refit_lab.zmq_faults import CorruptingRelayProxy, ProxiedRelays
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-BUCKET_GB = 32 / 1024 / 1024  # 32 KiB of dense input per payload: dozens of payloads per refit
 DEADLINE_S = 10.0
 
 
@@ -78,17 +84,7 @@ def policy(checkpoints: Checkpoints) -> CheckpointPolicy:
 def synchronizer(
     generation: Any, proxy: _CorruptNth, policy: CheckpointPolicy
 ) -> Iterator[WeightSynchronizer]:
-    with create_weight_synchronizer(
-        policy,
-        ProxiedRelays(generation, proxy),
-        "vllm",
-        False,
-        train_cluster=LocalCluster(1),
-        inference_cluster=LocalCluster(1),
-        refit_buffer_size_gb=BUCKET_GB,
-        refit_timeout_s=120.0,
-        transport="zmq_sparse",
-    ) as synchronizer:
+    with sparse_synchronizer(policy, ProxiedRelays(generation, proxy), 120.0) as synchronizer:
         yield synchronizer
 
 
@@ -164,7 +160,7 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
         [producer],
         generation.relay_addresses,
         refit_timeout_s=DEADLINE_S,
-        options=ZmqSparseOptions(bucket_size_bytes=int(BUCKET_GB * (1 << 30))),
+        options=ZmqSparseOptions(bucket_size_bytes=int(SPARSE_BUCKET_GB * (1 << 30))),
         on_commit=generation.refit_committed,
     )
     try:

@@ -32,7 +32,6 @@ class VllmEngine:
         self.label = f"vllm engine {shard}"
         self.addresses = list(addresses)
         self.gate = VllmGate(llm, self.label)
-        self.client = self.gate.client
         self._timeout_s = timeout_s
 
     def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -43,7 +42,7 @@ class VllmEngine:
             WorkerError: naming the workers that failed.
         """
         bound = self._timeout_s if timeout_s is None else timeout_s
-        return call_workers(self.client, self.label, method, args, bound)
+        return call_workers(self.gate.client, self.label, method, args, bound)
 
     def settle(self, reason: str) -> EngineReport:
         """After a failed refit: closed if a worker's model was written, else reopened on the
