@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from refit_core import NamedTensor, StateDictInfo
 from refit_core.sources import StateDictSource
 from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
@@ -42,15 +43,40 @@ class Checkpoints:
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
+class PacedSource:
+    """A slow trainer: ``source`` with a wait of ``wait_s`` before each tensor it hands out,
+    calling ``handing(i)`` before tensor ``i`` (so a test can look in the middle of a
+    transfer)."""
+
+    def __init__(
+        self, source: StateDictSource, wait_s: float, handing: Callable[[int], None]
+    ) -> None:
+        self._source = source
+        self._wait_s = wait_s
+        self._handing = handing
+
+    def state_dict_info(self) -> StateDictInfo:
+        return self._source.state_dict_info()
+
+    def iter_tensors(self) -> Iterator[NamedTensor]:
+        for i, named in enumerate(self._source.iter_tensors()):
+            time.sleep(self._wait_s)
+            self._handing(i)
+            yield named
+
+
 class CheckpointPolicy:
-    """A ``PolicyLike`` serving whichever checkpoint ``state`` names."""
+    """A ``PolicyLike`` serving whichever checkpoint ``state`` names, paced while ``pace``
+    holds a wait and a callback (see :class:`PacedSource`)."""
 
     def __init__(self, checkpoints: Checkpoints, state: str) -> None:
         self._checkpoints = checkpoints
         self.state = state
+        self.pace: tuple[float, Callable[[int], None]] | None = None
 
-    def weight_source(self) -> StateDictSource:
-        return StateDictSource(self._checkpoints.tensors[self.state], dtype="bfloat16")
+    def weight_source(self) -> StateDictSource | PacedSource:
+        source = StateDictSource(self._checkpoints.tensors[self.state], dtype="bfloat16")
+        return source if self.pace is None else PacedSource(source, *self.pace)
 
 
 def perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -85,7 +111,13 @@ def make_checkpoints(root: Path) -> Checkpoints:
 
 
 @contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def worker_binding(tp: int) -> Iterator[None]:
+    """vLLM's CPU workers started inside bind to a core each (vLLM's default binding refuses
+    two workers on one NUMA node)."""
+    if tp == 1:
+        yield
+        return
+    values = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp))}
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -100,11 +132,10 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 def start_engine(path: str, extra: dict[str, Any], tp: int = 1) -> Any:
     """A real vLLM engine on ``path`` (CPU, eager, bf16), ``tp`` tensor-parallel workers (each
-    bound to a core of its own: vLLM's default binding refuses two workers on one NUMA node)."""
+    bound to a core of its own)."""
     from vllm import LLM
 
-    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp))} if tp > 1 else {}
-    with _environment(binding):
+    with worker_binding(tp):
         return LLM(
             model=path,
             skip_tokenizer_init=True,

@@ -14,7 +14,13 @@ from refit_core import (
     WorkerError,
 )
 from refit_core.backend import CollectiveSenderSpec
-from refit_nccl.vllm.calls import decode_call, decode_reply, encode_call, encode_reply
+from refit_nccl.vllm.calls import (
+    decode_call,
+    decode_reply,
+    encode_call,
+    encode_reply,
+    reply_pending,
+)
 
 
 def test_a_call_and_its_result_round_trip() -> None:
@@ -43,3 +49,11 @@ def test_errors_come_back_typed_and_named() -> None:
     with pytest.raises(WorkerError, match="KeyError") as other:
         decode_reply(encode_reply(error=KeyError("x")), "w0", "refit_transfer")
     assert (other.value.worker, other.value.operation) == ("w0", "refit_transfer")
+
+
+def test_staging_calls_travel_and_a_running_one_says_pending() -> None:
+    assert decode_call(encode_call("refit_stage", (3, 9.5))) == ("refit_stage", (3, 9.5))
+    assert decode_call(encode_call("refit_drop_staged", (3,))) == ("refit_drop_staged", (3,))
+    assert reply_pending(encode_reply(pending=True), "w0")
+    assert not reply_pending(encode_reply(None), "w0")
+    assert not reply_pending(encode_reply(error=TimeoutError("late")), "w0")

@@ -2,8 +2,8 @@
 
 vLLM serializes RPC arguments with msgpack and refuses arbitrary objects (tensors and custom
 types fail unless insecure serialization is switched on), while bytes always pass. A call is a
-method name from a fixed set plus its arguments, pickled; a reply is the result, or the
-error's type name and message, pickled. Both ends are refit code on a trusted control channel
+method name from a fixed set plus its arguments, pickled; a reply is the result, the
+error's type name and message, or word that the call still runs (a staging polled), pickled. Both ends are refit code on a trusted control channel
 (vLLM's own, which carries the model), exactly as Ray actor calls are.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from refit_core import BackendNotInstalledError, ProtocolError, Recovery, RefitError, WorkerError
 from refit_core.backend import refit_error_type, role_methods
-from refit_nccl.roles import CollectiveEngineRole
+from refit_nccl.roles import CollectiveStagingRole
 
 __all__ = [
     "ENDPOINT_METHODS",
@@ -24,10 +24,11 @@ __all__ = [
     "encode_call",
     "encode_reply",
     "reply_partial",
+    "reply_pending",
 ]
 
-ENDPOINT_METHODS = role_methods(CollectiveEngineRole)
-"""The methods of the engine role a controller may call."""
+ENDPOINT_METHODS = role_methods(CollectiveStagingRole)
+"""The methods of the engine role (staging included) a controller may call."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class _Reply:
     error_message: str = ""
     recovery: str | None = None
     partial: bool = False
+    pending: bool = False
 
 
 def encode_call(method: str, args: tuple[Any, ...]) -> bytes:
@@ -69,12 +71,17 @@ def decode_call(data: bytes) -> tuple[str, tuple[Any, ...]]:
 
 
 def encode_reply(
-    result: Any = None, error: BaseException | None = None, *, partial: bool = False
+    result: Any = None,
+    error: BaseException | None = None,
+    *,
+    partial: bool = False,
+    pending: bool = False,
 ) -> bytes:
-    """A result, or an error by type name and message (exceptions do not always unpickle),
-    and whether the worker's model now holds weights other than the version it serves."""
+    """A result, an error by type name and message (exceptions do not always unpickle), or
+    ``pending`` (the call still runs); and whether the worker's model now holds weights other
+    than the version it serves."""
     if error is None:
-        reply = _Reply(result, partial=partial)
+        reply = _Reply(result, partial=partial, pending=pending)
     else:
         recovery = error.recovery.value if isinstance(error, RefitError) else None
         reply = _Reply(None, type(error).__name__, str(error), recovery, partial)
@@ -95,6 +102,15 @@ def reply_partial(data: bytes, worker: str) -> bool:
         ProtocolError: not an encoded reply.
     """
     return _reply(data, worker).partial
+
+
+def reply_pending(data: bytes, worker: str) -> bool:
+    """Whether the replying worker's call still runs (no result or error yet).
+
+    Raises:
+        ProtocolError: not an encoded reply.
+    """
+    return _reply(data, worker).pending
 
 
 def decode_reply(data: bytes, worker: str, method: str) -> Any:

@@ -11,15 +11,22 @@ Buckets reach the model through :class:`~refit_core.vllm.loading.CheckpointLoadi
 (default) in host memory and loaded at the commit, so a transfer that fails leaves the model
 untouched, or streamed into vLLM's layerwise reload as they arrive, so a transfer that fails
 after its first bucket leaves the model partial (the controller keeps such an engine closed).
-Every call runs inside vLLM's own update session (``start_weight_update`` ->
-``update_weights`` -> ``finish_weight_update``).
+Every call that writes the model runs inside vLLM's own update session
+(``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update``).
+
+A staged receiver also stages while the engine serves (:meth:`VllmCollectiveReceiver.stage`):
+the transfer runs on a thread of its own, so the worker keeps running forward passes (an RPC
+that received the whole refit would hold vLLM's engine core for as long), and writes host
+memory only; the controller polls it, and commits it later in one pause.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,9 +34,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
 from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name
+from refit_core.futures import in_thread
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint
+from refit_nccl.endpoint import EngineEndpoint, EngineStatus
 from refit_nccl.geometry import DEFAULT_GEOMETRY
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
@@ -96,6 +104,12 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         )
         self.loading = CheckpointLoading(self, staged=True)
         self.last_stats: TransferStats | None = None
+        self.staged_version: int | None = None
+        """The version received whole into host memory by :meth:`stage`, not yet committed
+        or dropped."""
+        self._staging: Future[TransferStats] | None = None
+        self._stagings = 0
+        self._staging_lock = threading.Lock()
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         """Declare a packing geometry and the staging mode (leaves any current group)."""
@@ -104,6 +118,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's refit_stage does not drive: this worker does not stage (yet).
         self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
+        self.drop_staged()
         self.loading.abandon()
         self.loading.staged = init_info.staged
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)
@@ -122,6 +137,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
             self._apply(update_info.version)
             return
         self.last_stats = None
+        self.staged_version = None
         self.loading.begin()
         try:
             stats = self.endpoint.refit_transfer(update_info.version, update_info.timeout_s)
@@ -137,6 +153,86 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         if loaded != version:
             raise RefitError(f"cannot load version {version}: the last transfer received {loaded}")
         self.loading.complete()
+
+    def stage(self, version: int, timeout_s: float | None) -> None:
+        """Start receiving ``version`` into host memory on a thread of its own; returns at
+        once (:meth:`staging_outcome` says when it ended). The model is not touched.
+
+        Raises:
+            NotImplementedError: this receiver streams into the model (``staged=False``).
+            RefitError: a staging is still running.
+        """
+        if not self.loading.staged:
+            raise NotImplementedError(
+                "a streaming refit-nccl receiver (staged=False) cannot stage beside the model"
+            )
+        with self._staging_lock:
+            if self._staging is not None and not self._staging.done():
+                raise RefitError("a staging is still running on this worker")
+            self.staged_version = None
+            self._stagings += 1
+            self._staging = in_thread(
+                self._receive_staged,
+                version,
+                timeout_s,
+                self._stagings,
+                name=f"refit-nccl-stage-{version}",
+            )
+
+    def _receive_staged(self, version: int, timeout_s: float | None, staging: int) -> TransferStats:
+        self.receive_weights(CollectiveUpdateInfo(version, timeout_s))
+        stats = self.transferred()
+        with self._staging_lock:
+            if self._stagings == staging and self._staging is not None:  # not dropped since
+                self.staged_version = version
+        logger.info("staged version %d in %.3f s", version, stats.total_s)
+        return stats
+
+    def staging_outcome(self) -> TransferStats | None:
+        """The running staging's stats once it ended (None while it runs); raises its error.
+
+        Raises:
+            RefitError: no staging was started.
+        """
+        staging = self._staging
+        if staging is None:
+            raise RefitError("no staging was started on this worker")
+        return staging.result() if staging.done() else None
+
+    def take_staged(self, version: int) -> None:
+        """Claim the staged ``version`` for its commit (the caller loads it, as
+        ``update_weights`` with ``apply``).
+
+        Raises:
+            RefitError: ``version`` is not what this worker staged.
+        """
+        with self._staging_lock:
+            if self.staged_version != version:
+                raise RefitError(f"cannot commit version {version}: staged {self.staged_version}")
+            self.staged_version = None
+            self._staging = None
+
+    def drop_staged(self) -> None:
+        """Forget what was staged; a staging still running is aborted (its group with it)."""
+        with self._staging_lock:
+            running = self._staging is not None and not self._staging.done()
+            self._staging = None
+            self.staged_version = None
+        if running:
+            self.endpoint.refit_abort("the staged refit was dropped")
+        else:
+            self.loading.abandon()
+
+    def status(self) -> EngineStatus:
+        """The endpoint's state, closed only if the model holds weights of no served version
+        (a staged transfer never writes it), with this receiver's staging (it stages when
+        staged)."""
+        return replace(
+            self.endpoint.refit_status(),
+            closed=self.loading.partial,
+            staged_version=self.staged_version,
+            can_stage=self.loading.staged,
+        )
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: every call loads and processes what it received."""

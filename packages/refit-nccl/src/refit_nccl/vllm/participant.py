@@ -11,6 +11,11 @@ write the model it closes the engine (:class:`~refit_core.vllm.VllmGate`: reques
 aborted); a successful commit reopens it on the new version, a failure that left the model
 untouched reopens it on the old one, and a failure after the model was written leaves it
 closed until a later complete refit, which the error says (``engines``, state ``closed``).
+
+A staging (``refit_stage``) never closes the engine: its workers receive on threads of their
+own while the engine generates, and the call polls them every :data:`STAGING_POLL_S`
+(each poll a short RPC between two engine steps) until every worker ended or the call's
+deadline passed; other calls (an abort) go in between polls.
 :class:`VllmCollectiveGeneration` lists the engines' workers as the shards
 ``build_collective_synchronizer`` expects.
 """
@@ -19,31 +24,39 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from refit_core import EngineReport, EngineState, RefitError, WorkerError
+from refit_core import EngineReport, EngineState, RefitError, RefitTimeoutError, WorkerError
 from refit_core.backend import Participant, in_thread, method_name, with_engines
-from refit_core.vllm import VllmGate
-from refit_nccl.roles import CollectiveEngineRole, JoinRequest
-from refit_nccl.vllm.calls import decode_reply, encode_call, reply_partial
+from refit_core.vllm import VllmClient, VllmGate, vllm_client
+from refit_nccl.endpoint import CommitStats
+from refit_nccl.roles import CollectiveEngineRole, CollectiveStagingRole, JoinRequest
+from refit_nccl.vllm.calls import decode_reply, encode_call, reply_partial, reply_pending
 
-__all__ = ["VllmCollectiveGeneration", "VllmWorkerParticipant"]
+__all__ = ["STAGING_POLL_S", "VllmCollectiveGeneration", "VllmWorkerParticipant"]
 
 logger = logging.getLogger(__name__)
 
 _COMMIT = method_name(CollectiveEngineRole.refit_commit)
 _TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
 _JOIN = method_name(CollectiveEngineRole.refit_join)
-_WRITES = frozenset({_TRANSFER, _COMMIT})
+_STAGE = method_name(CollectiveStagingRole.refit_stage)
+_COMMIT_STAGED = method_name(CollectiveStagingRole.refit_commit_staged)
+_WRITES = frozenset({_TRANSFER, _COMMIT, _STAGE, _COMMIT_STAGED})
+_PAUSING = frozenset({_COMMIT, _COMMIT_STAGED})
+
+STAGING_POLL_S = 0.02
+"""How often a staging's workers are asked whether they ended."""
 
 
 class _EngineCalls:
     """One engine's workers, called together (see the module docstring).
 
     Args:
-        llm: the engine.
+        client: the engine.
         shard: its shard index.
         workers: how many workers it runs (tensor x pipeline parallel size).
         staged: whether its receivers stage transfers in host memory (the model is written
@@ -54,7 +67,7 @@ class _EngineCalls:
 
     def __init__(
         self,
-        llm: Any,
+        client: VllmClient,
         shard: int,
         workers: int,
         *,
@@ -65,8 +78,7 @@ class _EngineCalls:
         self.label = f"vllm engine {shard}"
         self.shard = shard
         self.workers = workers
-        self.gate = VllmGate(llm, self.label)
-        self._llm = llm
+        self.gate = VllmGate(client, self.label)
         self._staged = staged
         self._control_timeout_s = control_timeout_s
         self._grace_s = grace_s
@@ -104,13 +116,15 @@ class _EngineCalls:
         args = batch[0][1]
         requests = [encode_call(method, batch[rank][1]) for rank in range(self.workers)]
         try:
-            with self._rpc_lock:
-                if method == _COMMIT or (method == _TRANSFER and not self._staged):
-                    self.gate.close()
-                replies: list[bytes] = self._llm.collective_rpc(
-                    "refit_nccl_call", timeout=self._timeout_s(method, args), args=(requests,)
-                )
-                outcomes = self._outcomes(method, args, replies)
+            if method == _STAGE:
+                outcomes = self._outcomes(method, self._staging_replies(requests, args))
+            else:
+                with self._rpc_lock:
+                    if method in _PAUSING or (method == _TRANSFER and not self._staged):
+                        self.gate.close()
+                    paused = time.perf_counter()
+                    replies = self._rpc("refit_nccl_call", self._timeout_s(method, args), requests)
+                    outcomes = self._outcomes(method, replies, paused)
         except Exception as exc:
             state = EngineState.CLOSED if self.gate.closed else EngineState.UNKNOWN
             report = EngineReport(self.shard, self.label, state, None, str(exc))
@@ -128,8 +142,43 @@ class _EngineCalls:
             else:
                 future.set_result(outcome)
 
-    def _outcomes(self, method: str, args: tuple[Any, ...], replies: list[bytes]) -> list[Any]:
-        """Each rank's result or error; opens the engine where the call allows it."""
+    def _rpc(self, method: str, timeout_s: float | None, *args: Any) -> list[bytes]:
+        """``method(*args)`` on every worker of the engine; their replies in rank order."""
+        replies: list[bytes] = self.gate.client.collective_rpc(method, timeout_s, args)
+        return replies
+
+    def _staging_replies(self, requests: list[bytes], args: tuple[Any, ...]) -> list[bytes]:
+        """Start the staging on every worker, then poll them until each ended; the replies.
+
+        Raises:
+            RefitTimeoutError: a worker still stages past the call's deadline plus grace.
+        """
+        timeout_s = self._timeout_s(_STAGE, args)
+        ends = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._rpc_lock:
+            replies = self._rpc("refit_nccl_call", self._control_timeout_s, requests)
+        while not any(self._failed(r) for r in replies):
+            time.sleep(STAGING_POLL_S)
+            with self._rpc_lock:
+                replies = self._rpc("refit_nccl_staging", self._control_timeout_s)
+            if not any(reply_pending(r, self.label) for r in replies):
+                break
+            if ends is not None and time.monotonic() > ends:
+                raise RefitTimeoutError(f"{self.label}: still staging past its deadline")
+        return replies
+
+    def _failed(self, reply: bytes) -> bool:
+        try:
+            decode_reply(reply, self.label, _STAGE)
+        except RefitError:
+            return True
+        return False
+
+    def _outcomes(
+        self, method: str, replies: list[bytes], paused: float | None = None
+    ) -> list[Any]:
+        """Each rank's result or error; opens the engine where the call allows it (the
+        staged commit's result then says how long the engine was paused since ``paused``)."""
         if len(replies) != self.workers:
             raise RefitError(f"{self.label}: {len(replies)} workers answered, not {self.workers}")
         outcomes: list[Any] = []
@@ -144,6 +193,11 @@ class _EngineCalls:
         if not failed:
             if method == _COMMIT:
                 self.gate.open(int(outcomes[0]))
+            elif method == _COMMIT_STAGED:
+                version = outcomes[0].version
+                self.gate.open(version)
+                assert paused is not None
+                outcomes = [CommitStats(version, time.perf_counter() - paused)] * len(outcomes)
             return outcomes
         partial = any(reply_partial(r, self.label) for r in replies)
         report = self.gate.settle(self.shard, partial=partial, reason=str(failed[0]))
@@ -152,7 +206,7 @@ class _EngineCalls:
 
     def _timeout_s(self, method: str, args: tuple[Any, ...]) -> float | None:
         """The RPC's bound: the call's own deadline plus grace, else the control timeout."""
-        if method == _TRANSFER:
+        if method in (_TRANSFER, _STAGE):
             left: float | None = args[1]
         elif method == _JOIN and isinstance(args[0], JoinRequest):
             left = args[0].timeout_s
@@ -195,8 +249,9 @@ class VllmCollectiveGeneration:
     checkpoint tensor whole (vLLM's loader keeps the rank's slice).
 
     Args:
-        engines: ``vllm.LLM`` objects started with :func:`refit_nccl.vllm.engine_args`, in
-            shard order.
+        engines: engines started with :func:`refit_nccl.vllm.engine_args`, in shard order:
+            offline ``vllm.LLM`` objects or clients (:class:`~refit_core.vllm.AsyncVllm` for
+            an ``AsyncLLM``, which stages while it serves).
         staged: stage each transfer in host memory and write the model only at the commit
             (a failed transfer leaves every engine on its old version; memory: one host copy
             of the checkpoint per worker), or stream it into the model (no extra memory; an
@@ -221,13 +276,12 @@ class VllmCollectiveGeneration:
         if buffer_size_bytes is not None:
             init["buffer_size_bytes"] = buffer_size_bytes
         for shard, llm in enumerate(engines):
+            client = vllm_client(llm)
             workers = len(
-                llm.collective_rpc(
-                    "init_weight_transfer_engine", timeout=control_timeout_s, args=(init,)
-                )
+                client.collective_rpc("init_weight_transfer_engine", control_timeout_s, (init,))
             )
             engine = _EngineCalls(
-                llm,
+                client,
                 shard,
                 workers,
                 staged=staged,

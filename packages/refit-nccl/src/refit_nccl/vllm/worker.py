@@ -3,19 +3,22 @@
 vLLM's native weight-update methods return nothing, while the collective synchronizer needs
 answers (geometry, plan digests, transfer stats), so refit-nccl adds one worker method,
 ``refit_nccl_call``, taking one encoded call per worker rank (vLLM runs an RPC on every
-worker of the engine at once) and returning bytes (:mod:`refit_nccl.vllm.calls`). Start the
+worker of the engine at once) and returning bytes (:mod:`refit_nccl.vllm.calls`), plus
+``refit_nccl_staging``, which polls a staging running on the worker's own thread. Start the
 engine with ``worker_extension_cls=WORKER_EXTENSION``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from refit_core import RefitError
 from refit_core.backend import method_name
-from refit_nccl.roles import CollectiveEngineRole
+from refit_nccl.endpoint import CommitStats
+from refit_nccl.roles import CollectiveEngineRole, CollectiveStagingRole
 from refit_nccl.vllm.calls import decode_call, encode_reply
 
 __all__ = ["CollectiveWorkerExtension"]
@@ -24,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 _TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
 _COMMIT = method_name(CollectiveEngineRole.refit_commit)
+_STATUS = method_name(CollectiveEngineRole.refit_status)
+_STAGE = method_name(CollectiveStagingRole.refit_stage)
+_COMMIT_STAGED = method_name(CollectiveStagingRole.refit_commit_staged)
+_DROP_STAGED = method_name(CollectiveStagingRole.refit_drop_staged)
 
 
 class CollectiveWorkerExtension:
@@ -52,6 +59,16 @@ class CollectiveWorkerExtension:
                 if receiver.loading.staged:
                     self._refit_nccl_session({"version": args[0], "apply": True})
                 result = receiver.endpoint.refit_commit(*args)
+            elif method == _STAGE:
+                receiver.stage(*args)
+                result = None
+            elif method == _COMMIT_STAGED:
+                result = self._refit_nccl_commit_staged(receiver, args[0])
+            elif method == _DROP_STAGED:
+                receiver.drop_staged()
+                result = None
+            elif method == _STATUS:
+                result = receiver.status()
             else:
                 result = getattr(receiver.endpoint, method)(*args)
             return encode_reply(result, partial=receiver.partial)
@@ -60,6 +77,30 @@ class CollectiveWorkerExtension:
             if isinstance(receiver, VllmCollectiveReceiver):
                 partial = receiver.partial
             return encode_reply(error=exc, partial=partial)
+
+    def refit_nccl_staging(self) -> bytes:
+        """The outcome of this worker's staging (``pending`` while it runs), as a reply."""
+        from refit_nccl.vllm.engine import VllmCollectiveReceiver
+
+        worker: Any = self
+        receiver = worker.weight_transfer_engine
+        try:
+            if not isinstance(receiver, VllmCollectiveReceiver):
+                raise RefitError("this worker's weight transfer engine is not refit-nccl's")
+            stats = receiver.staging_outcome()
+            return encode_reply(stats, pending=stats is None)
+        except Exception as exc:
+            logger.warning("refit-nccl staging failed", exc_info=True)
+            return encode_reply(error=exc)
+
+    def _refit_nccl_commit_staged(self, receiver: Any, version: int) -> CommitStats:
+        """Load the staged ``version`` into the model and serve it (the controller paused the
+        engine); how long that took."""
+        started = time.perf_counter()
+        receiver.take_staged(version)
+        self._refit_nccl_session({"version": version, "apply": True})
+        receiver.endpoint.refit_commit(version)
+        return CommitStats(version, time.perf_counter() - started)
 
     def _refit_nccl_session(self, update_info: dict[str, Any]) -> Any:
         """One call inside vLLM's own update session; the transfer's stats (or None)."""
