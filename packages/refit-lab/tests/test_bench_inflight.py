@@ -7,6 +7,7 @@ import pytest
 from refit_lab.bench import inflight
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
 from refit_lab.reference_engine import GenerationOutput, ReferenceModelConfig, WeightVersionSpan
+from refit_lab.serving_load import CLIENTS_PER_ENGINE, NEW_TOKENS, complete
 
 MiB = 1 << 20
 TINY = inflight.Sizes(
@@ -45,11 +46,11 @@ def test_an_output_is_complete_only_when_its_spans_cover_every_token() -> None:
     def output(tokens: int, spans: list[WeightVersionSpan]) -> GenerationOutput:
         return GenerationOutput([[0] * tokens], 2, [spans])
 
-    n = inflight.NEW_TOKENS
-    assert inflight.complete(output(n, [WeightVersionSpan(1, 0, 3), WeightVersionSpan(2, 3, n)]), n)
-    assert not inflight.complete(output(n - 1, [WeightVersionSpan(1, 0, n - 1)]), n)
-    assert not inflight.complete(output(n, [WeightVersionSpan(1, 0, 3)]), n)
-    assert not inflight.complete(output(n, [WeightVersionSpan(1, 1, n)]), n)
+    n = NEW_TOKENS
+    assert complete(output(n, [WeightVersionSpan(1, 0, 3), WeightVersionSpan(2, 3, n)]), n)
+    assert not complete(output(n - 1, [WeightVersionSpan(1, 0, n - 1)]), n)
+    assert not complete(output(n, [WeightVersionSpan(1, 0, 3)]), n)
+    assert not complete(output(n, [WeightVersionSpan(1, 1, n)]), n)
 
 
 @pytest.mark.slow
@@ -59,7 +60,7 @@ def test_tiny_run_loses_no_request_and_is_bitexact() -> None:
     report = inflight.measure(BenchContext(quick=True, threads=1), TINY)
     assert set(report.summary) == SUMMARY_KEYS
     assert report.summary["requests_lost"] == 0
-    assert report.summary["requests_submitted"] >= 2 * inflight.CLIENTS_PER_ENGINE
+    assert report.summary["requests_submitted"] >= 2 * CLIENTS_PER_ENGINE
     assert report.summary["bitexact"] is True
     assert [r["case"] for r in report.results] == ["round 1 staged", "round 1 stop_the_world"]
     assert all(r["bitexact"] is True for r in report.results)

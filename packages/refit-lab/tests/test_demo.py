@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from refit_lab.demo.report import DemoReport, RefitRecord
 from refit_lab.demo.settings import DemoSettings
 from refit_lab.demo.training import DemoTrainer, TrainingConfig
 from refit_lab.reference_engine import ReferenceEngine
+from refit_lab.serving_load import ServingCounts
 
 TINY = DemoSettings(model="tiny").model_config
 
@@ -30,6 +33,9 @@ TINY = DemoSettings(model="tiny").model_config
         ({"workers": 1, "fault": "kill-worker"}, "at least 2 workers"),
         ({"steps": 3, "fault": "corrupt", "fault_step": 4}, "fault_step must be in"),
         ({"timeout_s": 0.0}, "must be > 0"),
+        ({"inflight": True}, "--transport collective can stage"),
+        ({"inflight": True, "transport": "collective", "engine": "vllm"}, "can stage"),
+        ({"inflight": True, "transport": "collective", "fault": "kill-worker"}, "without"),
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
@@ -58,6 +64,20 @@ def test_one_unverified_refit_fails_the_report() -> None:
     assert not report.ok
     assert "NO" in report.table() and "workers [1] differ" in report.table()
     assert good.effective_gbps == pytest.approx(100 / 0.5 / 1e9)
+
+
+def test_a_lost_request_fails_the_report_and_pauses_show_beside_the_refit_time() -> None:
+    staged = RefitRecord(1, "committed", 0.01, 10, 100, 0.5, True, 7.0, pause_s=0.0123)
+    report = DemoReport("collective", 2, [staged], ServingCounts(submitted=9, completed=9))
+    assert report.ok
+    header, _, row, *footer = report.table().splitlines()
+    assert re.search(r"refit s +pause ms", header) and row.split()[6:8] == ["0.500", "12.3"]
+    assert footer == ["serving: 9 requests through the run, 9 complete, 0 lost"]
+    assert report.to_json()["steps"][0]["pause_ms"] == pytest.approx(12.3)
+    report.serving = ServingCounts(submitted=9, completed=8, errors=["EngineClosedError"])
+    assert not report.ok
+    assert report.to_json()["serving"]["lost"] == 1
+    assert "pause ms" not in DemoReport("zmq_sparse", 2, [replace(staged, pause_s=None)]).table()
 
 
 def test_training_moves_a_small_fraction_of_bf16_elements() -> None:
@@ -118,6 +138,19 @@ def test_demo_survives_a_killed_worker_on_the_collective(tmp_path: Path) -> None
     assert isinstance(steps, list)
     assert [s["outcome"] for s in steps] == ["committed", "aborted", "committed", "committed"]
     assert all(s["verified"] for s in steps)
+
+
+@pytest.mark.slow
+def test_demo_inflight_keeps_serving_through_staged_refits(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--inflight")
+    assert report["transport"] == "collective"
+    steps = report["steps"]
+    assert isinstance(steps, list)
+    assert [(s["outcome"], s["verified"]) for s in steps] == [("committed", True)] * 3
+    assert all(0 < s["pause_ms"] < 1e3 * s["refit_s"] for s in steps)
+    serving = report["serving"]
+    assert isinstance(serving, dict)
+    assert serving["lost"] == 0 and serving["completed"] == serving["submitted"] >= 6
 
 
 def test_engine_vllm_without_vllm_exits_2_saying_how_to_run_it(

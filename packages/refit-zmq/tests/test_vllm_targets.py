@@ -162,7 +162,13 @@ def test_deltas_staged_then_written_in_place_equal_a_fresh_load() -> None:
     _send(deltas, tracker.encode(second, WeightVersion(2)), "t3")
     deltas.commit("t3")
     tracker.commit()
-    undo = targets.apply(deltas.take_committed()[1])
+    writes = deltas.take_committed()[1]
+    held = [w for w in writes if w.positions is not None]
+    assert held and all(w.positions.dtype == torch.int32 for w in held if w.positions is not None)
+    assert sum(w.nbytes for w in held) == 6 * sum(w.values.numel() for w in held), (
+        "a changed bf16 element waits as its 2 bytes and a 4-byte position"
+    )
+    undo = targets.apply(writes)
     assert _equal(model, _loaded(second)), "a sparse delta, written in place"
     assert torch.equal(targets.shadow["scaled"], second["scaled"])
     undo.restore()

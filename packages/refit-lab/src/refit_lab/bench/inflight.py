@@ -1,8 +1,8 @@
 """Bench `inflight`: refit while serving, staged against stop-the-world, in the same run.
 
 A fleet of reference engines (Ray actors on a local Ray cluster, one process each) decodes
-without a break: :data:`CLIENTS_PER_ENGINE` driver threads per engine submit requests back to
-back. A :class:`~refit_lab.trainer.SimulatedTrainer` steps before every refit, and the refits
+without a break: client threads (:class:`~refit_lab.serving_load.ServingLoad`) submit requests
+back to back. A :class:`~refit_lab.trainer.SimulatedTrainer` steps before every refit, and the refits
 alternate, in interleaved rounds, between two modes of the same collective synchronizer
 (refit-nccl over gloo):
 
@@ -32,14 +32,12 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import random
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from refit_lab.bench.harness import (
     BenchContext,
@@ -47,11 +45,8 @@ from refit_lab.bench.harness import (
     BenchUnavailableError,
     machine_info,
 )
-from refit_lab.reference_engine import (
-    GenerationOutput,
-    ReferenceModelConfig,
-    checkpoint_tensor_specs,
-)
+from refit_lab.reference_engine import ReferenceModelConfig, checkpoint_tensor_specs
+from refit_lab.serving_load import ServingCounts, ServingLoad
 
 if TYPE_CHECKING:
     from refit_core import WeightSynchronizer
@@ -62,12 +57,6 @@ logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 SEED = 19
-CLIENTS_PER_ENGINE = 2
-PROMPT_TOKENS = 4
-PROMPTS_PER_REQUEST = 2
-NEW_TOKENS = 12
-REQUEST_WAIT_S = 120.0
-"""How long a request that arrives during a pause waits for the engine (never reached)."""
 STARTUP_S = 300.0
 CALL_TIMEOUT_S = 120.0
 REFIT_TIMEOUT_S = 120.0
@@ -119,78 +108,6 @@ def state_bytes(config: ReferenceModelConfig) -> int:
     """Bytes of the model's checkpoint (what every refit moves to every engine)."""
     elements = sum(math.prod(shape) for shape, _ in checkpoint_tensor_specs(config).values())
     return elements * config.torch_dtype.itemsize
-
-
-def complete(output: GenerationOutput, new_tokens: int) -> bool:
-    """Every prompt got all ``new_tokens`` tokens and version spans covering them in order."""
-    for tokens, spans in zip(output.tokens, output.weight_versions, strict=True):
-        ends = [0, *(span.end for span in spans)]
-        if len(tokens) != new_tokens or [s.start for s in spans] != ends[:-1]:
-            return False
-        if ends[-1] != new_tokens:
-            return False
-    return True
-
-
-@dataclass
-class _Counts:
-    submitted: int = 0
-    completed: int = 0
-    errors: list[str] = field(default_factory=list)
-
-
-class ServingLoad:
-    """Driver threads that keep every engine decoding: each submits a request of random
-    prompts, waits for its output, checks it is complete and submits the next."""
-
-    def __init__(self, workers: Sequence[Any], config: ReferenceModelConfig) -> None:
-        self._workers = workers
-        self._config = config
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.counts = _Counts()
-        self._threads = [
-            threading.Thread(target=self._serve, args=(worker, seed), name=f"client-{seed}")
-            for seed, worker in enumerate(w for w in workers for _ in range(CLIENTS_PER_ENGINE))
-        ]
-
-    def start(self) -> None:
-        """Start every client thread."""
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self, timeout_s: float) -> None:
-        """Let each client finish its request in flight, then return (within ``timeout_s``)."""
-        self._stop.set()
-        end = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, end - time.monotonic()))
-        alive = [t.name for t in self._threads if t.is_alive()]
-        if alive:
-            raise TimeoutError(f"clients still waiting after {timeout_s:.0f} s: {alive}")
-
-    def _serve(self, worker: Any, seed: int) -> None:
-        import ray
-
-        rng = random.Random(SEED * 1000 + seed)
-        vocab = self._config.vocab_size
-        while not self._stop.is_set():
-            prompts = [
-                [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
-                for _ in range(PROMPTS_PER_REQUEST)
-            ]
-            with self._lock:
-                self.counts.submitted += 1
-            try:
-                call = worker.generate.remote(prompts, NEW_TOKENS, REQUEST_WAIT_S)
-                output: GenerationOutput = ray.get(call, timeout=REQUEST_WAIT_S + CALL_TIMEOUT_S)
-            except Exception as exc:  # a lost request: counted, and this client stops
-                logger.error("request failed: %s", exc)
-                with self._lock:
-                    self.counts.errors.append(repr(exc))
-                return
-            with self._lock:
-                self.counts.completed += complete(output, NEW_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -376,9 +293,9 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
         synchronizer.sync_weights()
         synchronizer.commit_weights(synchronizer.stage_weights())
         exact = refits.bitexact()
-        load = ServingLoad(fleet.workers, sizes.config)
+        load = ServingLoad(fleet.workers, sizes.config.vocab_size, seed=SEED)
         load.start()
-        stack.callback(load.stop, CALL_TIMEOUT_S + REQUEST_WAIT_S)
+        stack.callback(load.stop)
         _wait_for_tokens_after(fleet, time.monotonic(), STARTUP_S)
         for round_index in range(sizes.rounds):
             order = MODES if round_index % 2 == 0 else MODES[::-1]
@@ -386,7 +303,7 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
                 progress(f"round {round_index + 1}/{sizes.rounds}: {mode}")
                 records.append(refits.run(mode, round_index))
         _wait_for_tokens_after(fleet, records[-1].finished, CALL_TIMEOUT_S)
-        load.stop(CALL_TIMEOUT_S + REQUEST_WAIT_S)
+        load.stop()
         timelines: list[EngineTimeline] = fleet.call("timeline")
     return _report(ctx, sizes, records, load.counts, exact, timelines)
 
@@ -395,7 +312,7 @@ def _report(
     ctx: BenchContext,
     sizes: Sizes,
     records: list[RefitRecord],
-    counts: _Counts,
+    counts: ServingCounts,
     warm_exact: bool,
     timelines: list[EngineTimeline],
 ) -> BenchReport:
@@ -451,7 +368,7 @@ def _report(
         "staging_tokens_per_s": median("moving_tokens_per_s", "staged"),
         "no_refit_tokens_per_s": median("quiet_tokens_per_s", "staged"),
         "requests_submitted": counts.submitted,
-        "requests_lost": counts.submitted - counts.completed,
+        "requests_lost": counts.lost,
         "bitexact": warm_exact and all(r.bitexact for r in records),
     }
     ctx.progress("inflight done", 1.0)

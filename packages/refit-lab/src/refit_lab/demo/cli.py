@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 _DEFAULTS = DemoSettings()
 _VLLM_WORKERS = 2  # each vLLM engine takes ~30 s to start on a CPU host
+_INFLIGHT_TRANSPORT = "collective"  # the reference engines' row that stages
 NO_VLLM = (
     "--engine vllm needs vLLM, which is not importable in this environment; run "
     "scripts/demo-vllm [OPTIONS] instead (it builds the engine venv .venv-engine the way "
@@ -55,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--transport",
         choices=TRANSPORTS,
-        default=_DEFAULTS.transport,
         help=(
+            f"default {_DEFAULTS.transport} ({_INFLIGHT_TRANSPORT} with --inflight). "
             "zmq_sparse: sparse deltas over the ZMQ relay tree; collective: the packed "
             "gloo/NCCL broadcast; ipc: the colocated IPC channel; dynamo: the Dynamo row, one "
             "process per worker running Dynamo's real system server and RL admin routes over "
@@ -85,6 +86,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "fresh vLLM engine on the final weights must generate every engine's tokens"
         ),
     )
+    parser.add_argument(
+        "--inflight",
+        action="store_true",
+        help=(
+            "refit while serving: clients keep every engine generating through the whole run; "
+            "each refit is staged while they do and committed in one short pause, shown "
+            "beside the refit time (reference engines, --transport collective); no request "
+            "may be lost"
+        ),
+    )
     parser.add_argument("--fault", choices=sorted(FAULTS), help="inject into one refit")
     parser.add_argument("--fault-step", type=int, metavar="S", help="default: the middle step")
     parser.add_argument(
@@ -104,8 +115,11 @@ def run_command(args: argparse.Namespace) -> int:
     if workers is None:
         workers = _VLLM_WORKERS if args.engine == "vllm" else _DEFAULTS.workers
     try:
+        transport = args.transport
+        if transport is None:
+            transport = _INFLIGHT_TRANSPORT if args.inflight else _DEFAULTS.transport
         settings = DemoSettings(
-            transport=args.transport,
+            transport=transport,
             workers=workers,
             steps=args.steps,
             model=args.model,
@@ -114,6 +128,7 @@ def run_command(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             lr=args.lr,
             engine=args.engine,
+            inflight=args.inflight,
         )
     except ValueError as exc:
         logger.error("%s", exc)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from refit_core.backend import align_columns
+from refit_lab.serving_load import ServingCounts
 
 __all__ = ["DemoReport", "RefitRecord"]
 
@@ -25,7 +26,7 @@ class RefitRecord:
         changed_fraction: bf16 elements that differ from the last committed weights.
         wire_bytes: bytes the transport sent.
         dense_bytes: bytes of the full state.
-        refit_s: wall time of ``sync_weights``.
+        refit_s: wall time of the refit (``sync_weights``, or staging plus commit).
         verified: committed refits: every live worker holds the trainer's bits, serves the new
             version and generates the trainer's greedy tokens; faulted ones: the refit failed
             with a typed error within the deadline and every survivor still serves (and, where
@@ -33,6 +34,8 @@ class RefitRecord:
         loss: the training loss of the step.
         fault: the fault injected into this refit, if any.
         detail: what went wrong or what was checked, in words.
+        pause_s: a staged refit's pause (``timings_s["pause"]``: the longest time an engine
+            was held by the commit); None for a refit that was not staged.
     """
 
     step: int
@@ -45,6 +48,7 @@ class RefitRecord:
     loss: float
     fault: str | None = None
     detail: str = ""
+    pause_s: float | None = None
 
     @property
     def effective_gbps(self) -> float:
@@ -61,6 +65,7 @@ class RefitRecord:
             "wire_bytes": self.wire_bytes,
             "dense_bytes": self.dense_bytes,
             "refit_s": self.refit_s,
+            "pause_ms": None if self.pause_s is None else 1e3 * self.pause_s,
             "verified": self.verified,
             "outcome": self.outcome,
             "effective_gbps": self.effective_gbps,
@@ -72,23 +77,35 @@ class RefitRecord:
 
 @dataclass
 class DemoReport:
-    """Every refit of one demo run."""
+    """Every refit of one demo run, and (``--inflight``) the requests served through them."""
 
     transport: str
     workers: int
     records: list[RefitRecord] = field(default_factory=list)
+    serving: ServingCounts | None = None
 
     @property
     def ok(self) -> bool:
-        """True when every refit verified."""
-        return bool(self.records) and all(r.verified for r in self.records)
+        """True when every refit verified and no request was lost."""
+        served = self.serving is None or (self.serving.submitted > 0 and not self.serving.lost)
+        return bool(self.records) and all(r.verified for r in self.records) and served
 
     def to_json(self) -> dict[str, Any]:
-        """``{"transport", "workers", "steps": [...]}``."""
+        """``{"transport", "workers", "steps": [...], "serving"}`` (serving: null, or the
+        requests ``submitted``, ``completed`` and ``lost`` while the engines were refitted)."""
+        serving = self.serving
         return {
             "transport": self.transport,
             "workers": self.workers,
             "steps": [record.to_json() for record in self.records],
+            "serving": None
+            if serving is None
+            else {
+                "submitted": serving.submitted,
+                "completed": serving.completed,
+                "lost": serving.lost,
+                "errors": serving.errors[:5],
+            },
         }
 
     def write_json(self, path: Path) -> None:
@@ -98,8 +115,10 @@ class DemoReport:
 
     def table(self) -> str:
         """The final table, one row per refit."""
+        staged = any(r.pause_s is not None for r in self.records)
         headers = ("step", "outcome", "changed %", "wire MB", "dense MB", "wire/dense",
-                   "refit s", "GB/s", "loss", "verified")  # fmt: skip
+                   "refit s", *(("pause ms",) if staged else ()), "GB/s", "loss",
+                   "verified")  # fmt: skip
         rows = [
             (
                 f"{r.step}" + (f" ({r.fault})" if r.fault else ""),
@@ -109,6 +128,7 @@ class DemoReport:
                 f"{r.dense_bytes / _MB:.2f}",
                 f"{r.wire_bytes / r.dense_bytes:.3f}" if r.dense_bytes else "-",
                 f"{r.refit_s:.3f}",
+                *((f"{1e3 * r.pause_s:.1f}" if r.pause_s is not None else "-",) if staged else ()),
                 f"{r.effective_gbps:.2f}",
                 f"{r.loss:.4f}",
                 "yes" if r.verified else "NO",
@@ -117,4 +137,9 @@ class DemoReport:
         ]
         lines = align_columns([headers, *rows], right=True, rule=True)
         lines += [f"step {r.step}: {r.detail}" for r in self.records if r.detail]
+        if self.serving is not None:
+            lines.append(
+                f"serving: {self.serving.submitted} requests through the run, "
+                f"{self.serving.completed} complete, {self.serving.lost} lost"
+            )
         return "\n".join(lines)

@@ -4,7 +4,9 @@ Each refit goes through ``create_weight_synchronizer`` exactly as a framework wo
 the demo then checks every live worker against the trainer (bitwise digests where the
 workers expose them, served version, greedy tokens from the trainer's own forward pass).
 The workers are reference engines in Ray actors or behind Dynamo workers' system servers (one
-process each), or real vLLM engines in this process.
+process each), or real vLLM engines in this process. With ``inflight``, clients keep every
+reference engine generating through the whole run, each refit is staged while they do and
+committed in one pause (recorded beside the refit time), and no request may be lost.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from refit_lab.demo.training import DemoTrainer, TrainingConfig
 from refit_lab.digest import state_digest
 from refit_lab.faults import kill
 from refit_lab.ray_cluster import LocalCluster, local_ray
+from refit_lab.serving_load import ServingCounts, ServingLoad
 from refit_lab.zmq_faults import CorruptingRelayProxy
 
 if TYPE_CHECKING:
@@ -161,7 +164,10 @@ class _Demo:
     ) -> RefitRecord:
         started = time.monotonic()
         try:
-            result = self.synchronizer.sync_weights()
+            if self.settings.inflight:
+                result = self.synchronizer.commit_weights(self.synchronizer.stage_weights())
+            else:
+                result = self.synchronizer.sync_weights()
         except RefitError as exc:
             logger.error("step %d: refit failed: %s", step, exc)
             if self.synchronizer.is_stale():
@@ -214,6 +220,7 @@ class _Demo:
             bits_ok and versions_ok and tokens_ok,
             loss,
             detail="; ".join(p for p in problems if p),
+            pause_s=result.timings_s.get("pause") if self.settings.inflight else None,
         )
 
     def _faulted(
@@ -310,8 +317,28 @@ def run_demo(settings: DemoSettings, progress: ProgressFactory = _LogProgress) -
             transport=transport,
         )
         stack.enter_context(synchronizer)
-        _Demo(settings, trainer, fleet, synchronizer, progress, report, proxy).run()
+        demo = _Demo(settings, trainer, fleet, synchronizer, progress, report, proxy)
+        if settings.inflight:
+            report.serving = _serving_through(demo, cast("DemoFleet", fleet))
+        else:
+            demo.run()
     return report
+
+
+def _serving_through(demo: _Demo, fleet: DemoFleet) -> ServingCounts:
+    """Run the demo while clients keep every worker generating; what they were served."""
+    load = ServingLoad(
+        [fleet.workers[i] for i in fleet.live],
+        demo.settings.model_config.vocab_size,
+        seed=demo.trainer.training.checkpoint_seed,
+        method="serve",
+    )
+    load.start()
+    try:
+        demo.run()
+    finally:
+        load.stop()
+    return load.counts
 
 
 def _reference_fleet(

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 import torch
 
-from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
+from refit_lab.reference_engine import GenerationOutput, ReferenceEngine, ReferenceModelConfig
 from refit_nccl import EngineEndpoint
 from refit_zmq.ipc import IpcReceiver
 from refit_zmq.sparse import EngineRelay
@@ -24,7 +24,7 @@ __all__ = ["DemoFleet", "DemoWorker"]
 
 logger = logging.getLogger(__name__)
 
-_ACTOR_OPTIONS: dict[str, Any] = {"max_concurrency": 4, "num_cpus": 0}
+_ACTOR_OPTIONS: dict[str, Any] = {"max_concurrency": 8, "num_cpus": 0}
 _CALL_TIMEOUT_S = 120.0
 
 
@@ -64,6 +64,13 @@ class DemoWorker(EngineEndpoint):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations of ``prompts``."""
         return self._reference.generate(prompts, max_new_tokens).tokens
+
+    def serve(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, wait_s: float
+    ) -> GenerationOutput:
+        """One request as a client sends it (``--inflight``): the whole output, its version
+        spans included; a request that arrives during a pause waits up to ``wait_s``."""
+        return self._reference.generate(prompts, max_new_tokens, wait_s=wait_s)
 
     def served_version(self) -> int:
         """The weight version the engine serves."""

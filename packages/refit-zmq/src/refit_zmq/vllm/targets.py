@@ -35,6 +35,10 @@ __all__ = ["CheckpointTargets", "StagedWrite", "plan_targets"]
 logger = logging.getLogger(__name__)
 
 
+_INT32_POSITIONS = 2**31 - 1
+"""Targets up to this many elements keep their positions as int32 until applied."""
+
+
 @dataclass(frozen=True)
 class StagedWrite:
     """Bits to write into ``target`` (a flat integer view): at ``positions``, or, when those
@@ -46,11 +50,21 @@ class StagedWrite:
     positions: torch.Tensor | None = None
     start: int = 0
 
+    @classmethod
+    def scattered(
+        cls, name: str, target: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> StagedWrite:
+        """A write at ``positions``, held as int32 where ``target`` is small enough (half the
+        memory of int64 while the write waits for its commit)."""
+        narrow = target.numel() <= _INT32_POSITIONS
+        return cls(name, target, values, positions.to(torch.int32 if narrow else torch.int64))
+
     @property
     def nbytes(self) -> int:
         """Host memory held."""
         held = self.values.numel() * self.values.element_size()
-        return held + (0 if self.positions is None else self.positions.numel() * 8)
+        positions = self.positions
+        return held + (0 if positions is None else positions.numel() * positions.element_size())
 
 
 def _repacked(module: torch.nn.Module) -> str | None:
@@ -226,7 +240,7 @@ class CheckpointTargets:
         if shadow is not None:
             if indices is None:
                 return [StagedWrite(item.name, shadow, bits, start=start)]
-            return [StagedWrite(item.name, shadow, bits, torch.from_numpy(indices))]
+            return [StagedWrite.scattered(item.name, shadow, bits, torch.from_numpy(indices))]
         writes = []
         for piece in self.plan.pieces.get(item.name, []):
             target = self._flats[piece.param]
@@ -244,7 +258,7 @@ class CheckpointTargets:
             )
             inside, positions = piece.select(flat)
             if positions.numel():
-                writes.append(StagedWrite(item.name, target, bits[inside], positions))
+                writes.append(StagedWrite.scattered(item.name, target, bits[inside], positions))
         return writes
 
     def apply(self, writes: Iterable[StagedWrite]) -> UndoLog:
@@ -265,7 +279,7 @@ class CheckpointTargets:
                     )
                     write_range(target, write.start, values)
                 else:
-                    positions = write.positions.to(target.device, non_blocking=True)
+                    positions = write.positions.to(target.device, torch.int64, non_blocking=True)
                     undo.add(UndoEntry(target, gather(target, positions), positions))
                     scatter(target, positions, values)
         except BaseException:
