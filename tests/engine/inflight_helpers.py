@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from engine_helpers import MODEL, CheckpointPolicy, worker_binding
 
 from refit_core.vllm import AsyncVllm
-
-_T = TypeVar("_T")
+from refit_lab.async_engine import async_engine
+from refit_lab.event_loop import EventLoopThread
 
 IN_FLIGHT = 8
 PROMPT_TOKENS = 16
@@ -26,22 +25,6 @@ PACED_FROM, PACED_TO = 2, 20  # the engine must generate between these tensors o
 
 Tokens = tuple[int, ...]
 Spans = list[tuple[str, int, int]]
-
-
-class EventLoopThread:
-    """The application's event loop, serving the engine from a thread of its own."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, call: Coroutine[Any, Any, _T], timeout_s: float = 300.0) -> _T:
-        return asyncio.run_coroutine_threadsafe(call, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10.0)
 
 
 class CountingAsyncVllm(AsyncVllm):
@@ -154,37 +137,9 @@ def greedy(served: Served, prompts: list[list[int]], new_tokens: list[int]) -> l
 
 @contextmanager
 def serving(path: str, extra: dict[str, Any], tp: int = 1) -> Iterator[Served]:
-    """An ``AsyncLLM`` on ``path`` (CPU, eager, bf16, ``tp`` workers) serving on a loop of its
-    own, shut down after."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    loop = EventLoopThread()
-    arguments = AsyncEngineArgs(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=1024,
-        seed=0,
-        tensor_parallel_size=tp,
-        **extra,
-    )
-
-    async def start() -> Any:
-        return AsyncLLM.from_engine_args(arguments)
-
-    async def stop(engine: Any) -> None:
-        engine.shutdown()  # on its loop, so that its output task ends before the loop does
-        await asyncio.sleep(0.1)
-
-    with worker_binding(tp):
-        engine = loop.run(start())
-    try:
+    """An ``AsyncLLM`` on ``path`` with ``tp`` workers, serving on a loop of its own."""
+    with worker_binding(tp), async_engine(path, extra, tp=tp) as (engine, loop):
         yield Served(engine, CountingAsyncVllm(engine, loop.loop), loop)
-    finally:
-        loop.run(stop(engine))
-        loop.close()
 
 
 def switch_index(request: Finished, old: int) -> int:

@@ -44,6 +44,7 @@ BENCHES: dict[str, str] = {
     "baseline": "refit_lab.bench.baseline:run",
     "collective": "refit_lab.bench.collective:run",
     "inflight": "refit_lab.bench.inflight:run",
+    "inflight_vllm": "refit_lab.bench.inflight_vllm:run",
     "ipc": "refit_lab.bench.ipc:run",
     "codec": "refit_lab.bench.codec:run",
     "megatron": "refit_lab.bench.megatron:run",
