@@ -12,10 +12,11 @@ aborted); a successful commit reopens it on the new version, a failure that left
 untouched reopens it on the old one, and a failure after the model was written leaves it
 closed until a later complete refit, which the error says (``engines``, state ``closed``).
 
-A staging (``refit_stage``) never closes the engine: its workers receive on threads of their
-own while the engine generates, and the call polls them every :data:`STAGING_POLL_S`
-(each poll a short RPC between two engine steps) until every worker ended or the call's
-deadline passed; other calls (an abort) go in between polls.
+A staging (``refit_stage``, and the transfer of a staged ``sync_weights``) never closes the
+engine: its workers receive on threads of their own while the engine generates, and the call
+polls them every :data:`STAGING_POLL_S` (each poll a short RPC between two engine steps)
+until every worker ended or the call's deadline passed; other calls (an abort) go in between
+polls.
 :class:`VllmCollectiveGeneration` lists the engines' workers as the shards
 ``build_collective_synchronizer`` expects.
 """
@@ -116,7 +117,7 @@ class _EngineCalls:
         args = batch[0][1]
         requests = [encode_call(method, batch[rank][1]) for rank in range(self.workers)]
         try:
-            if method == _STAGE:
+            if method == _STAGE or (method == _TRANSFER and self._staged):
                 outcomes = self._outcomes(method, self._staging_replies(requests, args))
             else:
                 with self._rpc_lock:
@@ -148,7 +149,8 @@ class _EngineCalls:
         return replies
 
     def _staging_replies(self, requests: list[bytes], args: tuple[Any, ...]) -> list[bytes]:
-        """Start the staging on every worker, then poll them until each ended; the replies.
+        """Start the staging on every worker, then poll them until each ended; the replies
+        (``args``: the version and the time left, as a transfer's).
 
         Raises:
             RefitTimeoutError: a worker still stages past the call's deadline plus grace.

@@ -53,15 +53,15 @@ class CollectiveWorkerExtension:
                     "weight_transfer_config={'backend': 'refit_nccl'}"
                 )
             method, args = decode_call(requests[worker.rank])
-            if method == _TRANSFER:
-                result = self._refit_nccl_session({"version": args[0], "timeout_s": args[1]})
-            elif method == _COMMIT:
-                if receiver.loading.staged:
-                    self._refit_nccl_session({"version": args[0], "apply": True})
-                result = receiver.endpoint.refit_commit(*args)
-            elif method == _STAGE:
-                receiver.stage(*args)
+            if method == _STAGE or (method == _TRANSFER and receiver.loading.staged):
+                receiver.stage(*args)  # on a thread of its own: polled (refit_nccl_staging)
                 result = None
+            elif method == _TRANSFER:
+                result = self._refit_nccl_session({"version": args[0], "timeout_s": args[1]})
+            elif method == _COMMIT and receiver.loading.staged:
+                result = self._refit_nccl_commit_staged(receiver, args[0]).version
+            elif method == _COMMIT:
+                result = receiver.endpoint.refit_commit(*args)
             elif method == _COMMIT_STAGED:
                 result = self._refit_nccl_commit_staged(receiver, args[0])
             elif method == _DROP_STAGED:
