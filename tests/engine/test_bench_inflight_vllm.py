@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from refit_lab.bench import inflight_vllm
 from refit_lab.bench.harness import BENCHES, BenchContext
+from refit_lab.bench.inflight_vllm import MODES, ROWS, STREAMS, Sizes, measure
 from refit_lab.reference_engine import ReferenceModelConfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-TINY = inflight_vllm.Sizes(
+TINY = Sizes(
     ReferenceModelConfig(
         vocab_size=1024,
         hidden_size=128,
@@ -28,14 +28,12 @@ TINY = inflight_vllm.Sizes(
 
 def test_one_round_per_row_loses_no_request() -> None:
     assert BENCHES["inflight_vllm"] == "refit_lab.bench.inflight_vllm:run"
-    report = inflight_vllm.measure(BenchContext(quick=True, threads=1), TINY)
+    report = measure(BenchContext(quick=True, threads=1), TINY)
     cases = [r["case"] for r in report.results]
-    assert cases == [
-        f"{row} round 1 {mode}" for row in inflight_vllm.ROWS for mode in inflight_vllm.MODES
-    ]
+    assert cases == [f"{row} round 1 {mode}" for row in ROWS for mode in MODES]
     assert report.summary["requests_lost"] == 0
-    assert report.summary["requests_submitted"] >= inflight_vllm.STREAMS
-    for row in inflight_vllm.ROWS:
+    assert report.summary["requests_submitted"] >= STREAMS
+    for row in ROWS:
         assert report.summary[f"{row}_staged_pause_ms"] > 0
         assert report.summary[f"{row}_stop_the_world_pause_ms"] > 0
         assert report.summary[f"{row}_tokens_during_staging_fraction"] > 0

@@ -41,7 +41,7 @@ from typing import Any
 from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
 from refit_lab.reference_engine import ReferenceModelConfig
 
-__all__ = ["FULL", "QUICK", "ROWS", "Sizes", "measure", "run"]
+__all__ = ["FULL", "MODES", "QUICK", "ROWS", "STREAMS", "Sizes", "measure", "run"]
 
 logger = logging.getLogger(__name__)
 

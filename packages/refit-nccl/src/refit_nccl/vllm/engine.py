@@ -33,8 +33,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
-from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name
-from refit_core.futures import in_thread
+from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name, in_thread
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import EngineEndpoint, EngineStatus
@@ -116,7 +115,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
         self.endpoint.refit_abort("geometry changed")
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
-        # endpoint's refit_stage does not drive: this worker does not stage (yet).
+        # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
         self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
         self.drop_staged()
         self.loading.abandon()

@@ -11,14 +11,14 @@ write the model it closes the engine (:class:`~refit_core.vllm.VllmGate`: reques
 aborted); a successful commit reopens it on the new version, a failure that left the model
 untouched reopens it on the old one, and a failure after the model was written leaves it
 closed until a later complete refit, which the error says (``engines``, state ``closed``).
+:class:`VllmCollectiveGeneration` lists the engines' workers as the shards
+``build_collective_synchronizer`` expects.
 
 A staging (``refit_stage``, and the transfer of a staged ``sync_weights``) never closes the
 engine: its workers receive on threads of their own while the engine generates, and the call
 polls them every :data:`STAGING_POLL_S` (each poll a short RPC between two engine steps)
 until every worker ended or the call's deadline passed; other calls (an abort) go in between
 polls.
-:class:`VllmCollectiveGeneration` lists the engines' workers as the shards
-``build_collective_synchronizer`` expects.
 """
 
 from __future__ import annotations
@@ -125,7 +125,11 @@ class _EngineCalls:
                         self.gate.close()
                     paused = time.perf_counter()
                     replies = self._rpc("refit_nccl_call", self._timeout_s(method, args), requests)
-                    outcomes = self._outcomes(method, replies, paused)
+                    outcomes = self._outcomes(method, replies)
+                if method == _COMMIT_STAGED and not any(isinstance(o, Exception) for o in outcomes):
+                    # The engine was paused from ``paused`` until the outcomes reopened it.
+                    held_s = time.perf_counter() - paused
+                    outcomes = [CommitStats(o.version, held_s) for o in outcomes]
         except Exception as exc:
             state = EngineState.CLOSED if self.gate.closed else EngineState.UNKNOWN
             report = EngineReport(self.shard, self.label, state, None, str(exc))
@@ -176,11 +180,8 @@ class _EngineCalls:
             return True
         return False
 
-    def _outcomes(
-        self, method: str, replies: list[bytes], paused: float | None = None
-    ) -> list[Any]:
-        """Each rank's result or error; opens the engine where the call allows it (the
-        staged commit's result then says how long the engine was paused since ``paused``)."""
+    def _outcomes(self, method: str, replies: list[bytes]) -> list[Any]:
+        """Each rank's result or error; opens the engine where the call allows it."""
         if len(replies) != self.workers:
             raise RefitError(f"{self.label}: {len(replies)} workers answered, not {self.workers}")
         outcomes: list[Any] = []
@@ -196,10 +197,7 @@ class _EngineCalls:
             if method == _COMMIT:
                 self.gate.open(int(outcomes[0]))
             elif method == _COMMIT_STAGED:
-                version = outcomes[0].version
-                self.gate.open(version)
-                assert paused is not None
-                outcomes = [CommitStats(version, time.perf_counter() - paused)] * len(outcomes)
+                self.gate.open(outcomes[0].version)
             return outcomes
         partial = any(reply_partial(r, self.label) for r in replies)
         report = self.gate.settle(self.shard, partial=partial, reason=str(failed[0]))
