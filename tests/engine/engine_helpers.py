@@ -240,20 +240,34 @@ def generate(llm: Any, *, expect_cached: bool | None = None) -> Outputs:
     return outputs
 
 
-def sparse_synchronizer(policy: CheckpointPolicy, relays: Any, timeout_s: float) -> Any:
-    """The factory's zmq_sparse synchronizer from ``policy`` into ``relays`` (a relay
-    generation), as a framework builds it; a context manager."""
+def factory_synchronizer(
+    policy: CheckpointPolicy, generation: Any, timeout_s: float, **options: Any
+) -> Any:
+    """The factory's vLLM synchronizer from ``policy`` into ``generation``, trainer and engines
+    on this host, as a framework builds it (``options``: the factory's other keywords); a
+    context manager."""
     from refit_core import create_weight_synchronizer
     from refit_lab.ray_cluster import LocalCluster
 
     return create_weight_synchronizer(
         policy,
-        relays,
+        generation,
         "vllm",
         False,
         train_cluster=LocalCluster(1),
         inference_cluster=LocalCluster(1),
-        refit_buffer_size_gb=SPARSE_BUCKET_GB,
         refit_timeout_s=timeout_s,
+        **options,
+    )
+
+
+def sparse_synchronizer(policy: CheckpointPolicy, relays: Any, timeout_s: float) -> Any:
+    """The factory's zmq_sparse synchronizer from ``policy`` into ``relays`` (a relay
+    generation); a context manager."""
+    return factory_synchronizer(
+        policy,
+        relays,
+        timeout_s,
+        refit_buffer_size_gb=SPARSE_BUCKET_GB,
         transport="zmq_sparse",
     )

@@ -15,13 +15,19 @@ from typing import Any
 import pytest
 from child_trainer import ChildParticipant, collective_trainer
 from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
+from engine_helpers import (
+    CheckpointPolicy,
+    Checkpoints,
+    Engine,
+    factory_synchronizer,
+    generate,
+    running_engine,
+)
 
 from refit_core import (
     GeometryMismatchError,
     RefitError,
     WeightSynchronizer,
-    create_weight_synchronizer,
 )
 from refit_lab.ray_cluster import LocalCluster
 
@@ -46,15 +52,8 @@ def _generation(engine: Engine, *, staged: bool = True) -> Any:
 
 
 def _synchronizer(policy: Any, generation: Any) -> WeightSynchronizer:
-    return create_weight_synchronizer(
-        policy,
-        generation,
-        "vllm",
-        False,
-        train_cluster=LocalCluster(1),
-        inference_cluster=LocalCluster(1),
-        refit_timeout_s=120.0,
-    )
+    synchronizer: WeightSynchronizer = factory_synchronizer(policy, generation, 120.0)
+    return synchronizer
 
 
 def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool = True) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from child_trainer import ChildParticipant, collective_trainer
-from engine_helpers import CheckpointPolicy, Checkpoints
+from engine_helpers import CheckpointPolicy, Checkpoints, factory_synchronizer
 from inflight_helpers import (
     Served,
     check_requests_cross_a_commit,
@@ -26,7 +26,7 @@ from inflight_helpers import (
     serving,
 )
 
-from refit_core import EngineState, RefitError, WeightSynchronizer, create_weight_synchronizer
+from refit_core import EngineState, RefitError, WeightSynchronizer
 from refit_lab.ray_cluster import LocalCluster
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -56,15 +56,8 @@ def _in_process(served: Served, policy: CheckpointPolicy) -> WeightSynchronizer:
     per worker)."""
     generation = _generation(served)
     assert len(generation.collective_shards()[0]) == TP
-    return create_weight_synchronizer(
-        policy,
-        generation,
-        "vllm",
-        False,
-        train_cluster=LocalCluster(1),
-        inference_cluster=LocalCluster(1),
-        refit_timeout_s=DEADLINE_S,
-    )
+    synchronizer: WeightSynchronizer = factory_synchronizer(policy, generation, DEADLINE_S)
+    return synchronizer
 
 
 def test_requests_in_flight_cross_a_staged_collective_commit(

@@ -113,11 +113,11 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         """Declare a packing geometry and the staging mode (leaves any current group)."""
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
+        self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
         self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
-        self.drop_staged()
         self.loading.abandon()
         self.loading.staged = init_info.staged
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)
@@ -136,7 +136,6 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
             self._apply(update_info.version)
             return
         self.last_stats = None
-        self.staged_version = None
         self.loading.begin()
         try:
             stats = self.endpoint.refit_transfer(update_info.version, update_info.timeout_s)
