@@ -26,6 +26,7 @@ __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
+    "DeadlineTooShortError",
     "EngineReport",
     "EngineState",
     "GeometryMismatchError",
@@ -158,9 +159,69 @@ def _restore(
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
-    """A refit (or one of its network or collective calls) passed its deadline."""
+    """A refit (or one of its network or collective calls) passed its deadline.
+
+    Attributes:
+        progress: the share of the transfer's bytes (0 to 1) the sender had moved when the
+            deadline passed, where it knows it (None: unknown).
+    """
 
     recovery = Recovery.RECOVER
+    progress: float | None = None
+
+
+class DeadlineTooShortError(RefitTimeoutError):
+    """The refit's deadline passed while every participant was alive and moving bytes: the
+    transfer needs more time than ``refit_timeout_s`` gives it. No retry or recovery fixes
+    that (``Recovery.FIX``): raise the deadline (or shrink the transfer).
+
+    Attributes:
+        deadline_s: the deadline the refit had.
+        needed_s: the time the transfer needed, measured from the share of it that moved by
+            the deadline (None: nothing moved, so only "more than ``deadline_s``" is known).
+    """
+
+    recovery = Recovery.FIX
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        deadline_s: float,
+        needed_s: float | None,
+        engines: Sequence[EngineReport] = (),
+    ) -> None:
+        super().__init__(message, engines=engines)
+        self.deadline_s = deadline_s
+        self.needed_s = needed_s
+
+    @classmethod
+    def measured(
+        cls,
+        what: str,
+        *,
+        deadline_s: float,
+        elapsed_s: float,
+        progress: float | None,
+        engines: Sequence[EngineReport] = (),
+    ) -> DeadlineTooShortError:
+        """The error for ``what``, which moved ``progress`` of its bytes in ``elapsed_s``
+        before the deadline of ``deadline_s`` passed: the time it needed, from that rate."""
+        needed = elapsed_s / progress if progress is not None and progress > 0 else None
+        if needed is None:
+            measure = f"nothing of it moved in {elapsed_s:.1f} s"
+        else:
+            measure = (
+                f"it moved {progress:.0%} of its bytes in {elapsed_s:.1f} s, so it needs about "
+                f"{needed:.1f} s"
+            )
+        return cls(
+            f"{what} needs more than refit_timeout_s={deadline_s:g} s ({measure}); every "
+            "engine answered, none failed: raise refit_timeout_s",
+            deadline_s=deadline_s,
+            needed_s=needed,
+            engines=engines,
+        )
 
 
 class RefitAbortedError(RefitError):
