@@ -107,7 +107,8 @@ def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> N
         membership = synchronizer.membership
         assert membership is not None and membership.shard_indices == (0,)
         retried = synchronizer.sync_weights()
-        assert retried.version == 2 and [w.worker for w in retried.workers] == ["shard 0 worker 0"]
+        # versions 2 (failed) and 3 (refused: stale) were tried: never again
+        assert retried.version == 4 and [w.worker for w in retried.workers] == ["shard 0 worker 0"]
         shard0 = fleet.workers[0]
         expected = state_digest(trainer.engine_state().items())
         assert ray.get(shard0.state_digests.remote(), timeout=60) == expected
@@ -119,7 +120,7 @@ def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> N
         rejoined = synchronizer.sync_weights()
         assert rejoined.ok and len(rejoined.workers) == 2
         assert digests_match(fleet, trainer) == [True, True]
-        assert fleet.call("weight_version") == [3, 3]
+        assert fleet.call("weight_version") == [5, 5]
         expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
         assert fleet.call("generate", PROMPTS, 5) == [expected_tokens, expected_tokens]
     finally:
@@ -318,7 +319,7 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         ray.get(survivor.set_load_delay.remote(0.0), timeout=30)
         report = synchronizer.recover()
         assert report.dropped_shards == (1,)
-        assert report.resync is not None and report.resync.version == 2
+        assert report.resync is not None and report.resync.version == 3, "2 failed: not reused"
         expected = state_digest(trainer.engine_state().items())
         assert ray.get(survivor.state_digests.remote(), timeout=60) == expected
         expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
@@ -328,7 +329,7 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         rejoined = synchronizer.recover()
         assert rejoined.dropped_shards == ()
         assert rejoined.resync is not None and rejoined.after.consistent
-        assert rejoined.after.agreed_version == synchronizer.version == 3
+        assert rejoined.after.agreed_version == synchronizer.version == 4
         assert digests_match(fleet, trainer) == [True, True]
     finally:
         synchronizer.shutdown()

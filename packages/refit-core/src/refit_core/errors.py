@@ -208,7 +208,9 @@ class DeadlineTooShortError(RefitTimeoutError):
         """The error for ``what``, which moved ``progress`` of its bytes in ``elapsed_s``
         before the deadline of ``deadline_s`` passed: the time it needed, from that rate."""
         needed = elapsed_s / progress if progress is not None and progress > 0 else None
-        if needed is None:
+        if progress is None:
+            measure = f"it did not finish in {elapsed_s:.1f} s"
+        elif needed is None:
             measure = f"nothing of it moved in {elapsed_s:.1f} s"
         else:
             measure = (

@@ -104,12 +104,13 @@ class WeightSynchronizer(ABC):
             self._require_open()
             self._require_nothing_staged()
             self.init_communicator()  # first: a new synchronizer adopts the fleet's version
-            target = self._claim(version)
+            target, before = self._claim(version)
             deadline = self._deadline()
             started = time.monotonic()
             logger.info("%s: refit to version %d", type(self).__name__, target.value)
-            result = self._run_hook(
+            result = self._run_claimed(
                 f"refit to version {target.value}",
+                before,
                 lambda: self._sync_weights(target.value, deadline),
             )
             if result.version != target.value:
@@ -144,11 +145,12 @@ class WeightSynchronizer(ABC):
             self._require_staging()
             self._require_nothing_staged()
             self.init_communicator()  # first: a new synchronizer adopts the fleet's version
-            target = self._claim(version)
+            target, before = self._claim(version)
             deadline = self._deadline()
             logger.info("%s: staging version %d", type(self).__name__, target.value)
-            staged = self._run_hook(
+            staged = self._run_claimed(
                 f"staging version {target.value}",
+                before,
                 lambda: self._stage_weights(target.value, deadline),
             )
             if staged.version != target.value:
@@ -379,9 +381,9 @@ class WeightSynchronizer(ABC):
         if version is not None and version > self._high_water.value:
             self._high_water = WeightVersion(version)
 
-    def _claim(self, version: int | None) -> WeightVersion:
+    def _claim(self, version: int | None) -> tuple[WeightVersion, WeightVersion]:
         """The version of the next refit (default: one above the high-water mark), recorded
-        as used before anything moves.
+        as used before anything moves; and the mark before it.
 
         Raises:
             ValueError: ``version`` is not above the high-water mark.
@@ -393,8 +395,17 @@ class WeightSynchronizer(ABC):
                 f"weight version must increase: {target.value} is not above "
                 f"{floor.value}, the highest version used so far"
             )
-        self._high_water = target
-        return target
+        before, self._high_water = self._high_water, target
+        return target, before
+
+    def _run_claimed(self, what: str, before: WeightVersion, hook: Callable[[], _T]) -> _T:
+        """Run a refit's hook; a refusal before anything moved (``NotImplementedError``,
+        ``ValueError``) gives its version back."""
+        try:
+            return self._run_hook(what, hook)
+        except (NotImplementedError, ValueError):
+            self._high_water = before
+            raise
 
     def _adopt_fleet_version(self, deadline: Deadline) -> None:
         """Start from the newest version the engines serve, and above the highest one any of

@@ -33,6 +33,7 @@ from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.control import ControlChannel, Reply
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.frames import Kind
+from refit_zmq.relay.wire.liveness import refuses_connections
 from refit_zmq.relay.wire.reports import (
     AbortReply,
     CommitReply,
@@ -119,9 +120,14 @@ class RelayCoordinator:
         *,
         reply_within_s: float | None = None,
         until: float | None = None,
+        retries: int | None = None,
     ) -> dict[str, Reply]:
         within = self.timeout_s if reply_within_s is None else reply_within_s
-        return self._channel.call(requests, reply_within_s=within, until=until)
+        return self._channel.call(requests, reply_within_s=within, until=until, retries=retries)
+
+    def gone(self) -> tuple[str, ...]:
+        """The relays of the tree whose ports refuse connections (dead, or closed)."""
+        return tuple(a for a in self.relays if refuses_connections(a))
 
     def configure_tree(
         self, relays: Sequence[str], *, shards: Mapping[str, int] | None = None
@@ -162,14 +168,23 @@ class RelayCoordinator:
         digests: bool = False,
         relays: Sequence[str] | None = None,
         deadline: Deadline | None = None,
+        probe_s: float | None = None,
     ) -> Statuses:
         """Every relay's status (those of ``relays``, default the tree's): version, the
         receiver's and the ledger's open transfer, staging (and digests). Read-only: the
-        relays need no tree for it. No attempt runs past ``deadline``."""
+        relays need no tree for it. No attempt runs past ``deadline``.
+
+        Args:
+            probe_s: ask each relay once, waiting this long for its answer (a relay that did
+                not answer the last request starts on a fresh socket); default: the usual
+                attempts of ``timeout_s`` each.
+        """
         addresses = self.relays if relays is None else tuple(relays)
         replies = self._call(
             {a: (Kind.STATUS, {"digests": digests}) for a in addresses},
             until=None if deadline is None else deadline.at,
+            reply_within_s=probe_s,
+            retries=None if probe_s is None else 0,
         )
         return {a: _typed(r, RelayStatus.from_json) for a, r in replies.items()}
 
