@@ -108,9 +108,12 @@ class RefitError(Exception):
         wedged_workers: engines whose side of a transfer refit could not release (for
             example a Dynamo or SGLang process inside a collective); they need recovery.
         engines: each engine's state after the failure, where the backend knows it.
+        progress: the share of the transfer's bytes (0 to 1) the participant that raised it
+            had moved when it failed, where it knows it (None: unknown).
     """
 
     recovery: Recovery = Recovery.FIX
+    progress: float | None = None
 
     def __init__(
         self,
@@ -159,15 +162,9 @@ def _restore(
 
 
 class RefitTimeoutError(RefitError, TimeoutError):
-    """A refit (or one of its network or collective calls) passed its deadline.
-
-    Attributes:
-        progress: the share of the transfer's bytes (0 to 1) the sender had moved when the
-            deadline passed, where it knows it (None: unknown).
-    """
+    """A refit (or one of its network or collective calls) passed its deadline."""
 
     recovery = Recovery.RECOVER
-    progress: float | None = None
 
 
 class DeadlineTooShortError(RefitTimeoutError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_core import ProtocolError, RefitError, RefitTimeoutError
+from refit_core import ProtocolError, RefitError
 from refit_core.backend import Deadline
 from refit_nccl.group import AbortableProcessGroup, PendingCall
 from refit_nccl.packing import check_tensor, pack_bucket, unpack_bucket, wire_view
@@ -115,15 +115,14 @@ def send_packed(
     held: deque[tuple[int | None, torch.Tensor]] = deque()  # slot and bytes of each call
     items = iter(tensors)
     pack_s = wait_s = 0.0
-    sent_bytes = 0
+    posted_bytes = 0  # handed to the communicator: what the failure's progress counts
     try:
         for bucket in plan.buckets:
             if len(in_flight) >= plan.geometry.num_buffers:
                 mark = time.perf_counter()
                 in_flight.popleft().wait()
                 wait_s += time.perf_counter() - mark
-                released, wire = held.popleft()
-                sent_bytes += wire.numel()
+                released, _ = held.popleft()
                 if released is not None:
                     free.append(released)
             mark = time.perf_counter()
@@ -139,18 +138,16 @@ def send_packed(
             pack_s += time.perf_counter() - mark
             in_flight.append(group.broadcast_async(wire, root, deadline))
             held.append((slot, wire))
+            posted_bytes += wire.numel()
         if next(items, None) is not None:
             raise ProtocolError(f"source yields more than the plan's {plan.num_tensors} tensors")
         mark = time.perf_counter()
         while in_flight:
             in_flight.popleft().wait()
         wait_s += time.perf_counter() - mark
-    except RefitTimeoutError as exc:
-        exc.progress = sent_bytes / max(1, plan.wire_bytes)
-        group.abort(f"send failed: {exc}")
-        _drain(in_flight)
-        raise
     except BaseException as exc:
+        if isinstance(exc, RefitError):
+            exc.progress = posted_bytes / max(1, plan.wire_bytes)
         group.abort(f"send failed: {exc}")
         _drain(in_flight)
         raise

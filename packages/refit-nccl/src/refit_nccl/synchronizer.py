@@ -626,7 +626,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 what,
                 deadline_s=self.refit_timeout_s,
                 elapsed_s=time.monotonic() - started,
-                progress=getattr(sender, "progress", None),
+                progress=sender.progress if isinstance(sender, RefitError) else None,
                 engines=engines,
             )
         elif (

@@ -245,7 +245,7 @@ def _refusals(errors: Iterable[BaseException]) -> tuple[Failure, ...]:
 def _progress(errors: Iterable[BaseException]) -> float | None:
     """The share of the transfer that moved: the least of the producers' (None: one of
     them cannot say)."""
-    shares = [getattr(error, "progress", None) for error in errors]
+    shares = [error.progress if isinstance(error, RefitError) else None for error in errors]
     known = [share for share in shares if share is not None]
     return min(known) if known and len(known) == len(shares) else None
 

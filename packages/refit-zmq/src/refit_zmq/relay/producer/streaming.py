@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from refit_core import NamedTensor, RefitTimeoutError, WeightVersion
+from refit_core import NamedTensor, RefitError, WeightVersion
 from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
@@ -102,6 +102,8 @@ def stream_sparse_delta_payloads_via_zmq(
         curve=curve,
         tuning=tuning,
     )
+    if deadline is not None and not isinstance(iterator, Mapping):
+        iterator = _within(iterator, deadline, transfer_id)
     payloads = delta_tracker.encode(iterator, target, resync=resync)
     try:
         stats = deliver_payloads(
@@ -154,20 +156,12 @@ def deliver_payloads(
 
     Payload ``i`` is named ``{payload_prefix}.{i}``. Returns ``payloads``, ``tensors``,
     ``changed_elements``, ``wire_bytes`` and ``dense_bytes``; raises the first send's error.
-    A ``RefitTimeoutError`` carries the share of ``total_dense_bytes`` (the shard's) that
-    was acknowledged by then as its ``progress``.
+    A ``RefitError`` carries the share of ``total_dense_bytes`` (the shard's) that was
+    encoded and handed to a sender by then as its ``progress``.
     """
     stats = {"payloads": 0, "tensors": 0, "changed_elements": 0, "wire_bytes": 0, "dense_bytes": 0}
     names: set[str] = set()
-    in_flight: deque[tuple[Future[Acknowledged], int]] = deque()
-    acked = 0
-
-    def settle_oldest() -> None:
-        nonlocal acked
-        sent, dense = in_flight.popleft()
-        sent.result()
-        acked += dense
-
+    in_flight: deque[Future[Acknowledged]] = deque()
     try:
         with ThreadPoolExecutor(senders, thread_name_prefix="refit-send") as pool:
             for index, payload in enumerate(payloads):
@@ -176,29 +170,40 @@ def deliver_payloads(
                 stats["changed_elements"] += payload.changed_elements
                 stats["wire_bytes"] += payload.nbytes
                 stats["dense_bytes"] += payload.dense_bytes
-                sent = pool.submit(
-                    client.send_payload,
-                    transfer_id=transfer_id,
-                    payload_id=f"{payload_prefix}.{index}",
-                    checksum=payload.checksum,
-                    verification_candidates=verification_candidates,
-                    body=payload,
-                    relay_root=relay_root,
-                    base_version=base_version,
-                    target_version=target_version,
-                    deadline=deadline,
+                in_flight.append(
+                    pool.submit(
+                        client.send_payload,
+                        transfer_id=transfer_id,
+                        payload_id=f"{payload_prefix}.{index}",
+                        checksum=payload.checksum,
+                        verification_candidates=verification_candidates,
+                        body=payload,
+                        relay_root=relay_root,
+                        base_version=base_version,
+                        target_version=target_version,
+                        deadline=deadline,
+                    )
                 )
-                in_flight.append((sent, payload.dense_bytes))
                 while len(in_flight) >= senders:
-                    settle_oldest()
+                    in_flight.popleft().result()
             while in_flight:
-                settle_oldest()
-    except RefitTimeoutError as error:
+                in_flight.popleft().result()
+    except RefitError as error:
         if total_dense_bytes:
-            error.progress = min(1.0, acked / total_dense_bytes)
+            error.progress = min(1.0, stats["dense_bytes"] / total_dense_bytes)
         raise
     stats["tensors"] = len(names)
     return stats
+
+
+def _within(
+    tensors: Iterable[NamedTensor], deadline: Deadline, transfer_id: str
+) -> Iterator[NamedTensor]:
+    """``tensors``, until the deadline passes (a source slower than the deadline ends the
+    stream there, not when it is done)."""
+    for named in tensors:
+        deadline.check(f"transfer {transfer_id} read its next tensor")
+        yield named
 
 
 def _close(payloads: Iterator[DeltaPayload]) -> None:
