@@ -290,9 +290,12 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         if not error.engines or any(e.state is EngineState.UNKNOWN for e in error.engines):
             return None
         late = [p for p in self._producers if p.label in error.wedged_workers]
-        if late and not gather(
-            {p: p.call(ShardProducerRole.refit_version) for p in late}, self._probe_s
-        ).ok:
+        if (
+            late
+            and not gather(
+                {p: p.call(ShardProducerRole.refit_version) for p in late}, self._probe_s
+            ).ok
+        ):
             return None
         return DeadlineTooShortError.measured(
             what,
