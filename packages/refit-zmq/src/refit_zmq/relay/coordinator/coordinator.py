@@ -121,9 +121,16 @@ class RelayCoordinator:
         reply_within_s: float | None = None,
         until: float | None = None,
         retries: int | None = None,
+        stop_when_gone: bool = False,
     ) -> dict[str, Reply]:
         within = self.timeout_s if reply_within_s is None else reply_within_s
-        return self._channel.call(requests, reply_within_s=within, until=until, retries=retries)
+        return self._channel.call(
+            requests,
+            reply_within_s=within,
+            until=until,
+            retries=retries,
+            stop_when_gone=stop_when_gone,
+        )
 
     def gone(self) -> tuple[str, ...]:
         """The relays of the tree whose ports refuse connections (dead, or closed)."""
@@ -296,6 +303,7 @@ class RelayCoordinator:
             },
             reply_within_s=reply_within_s,
             until=until,
+            stop_when_gone=True,  # one relay gone: the transfer aborts, wait for no other
         )
         answers = {a: _typed(r, FlushReport.from_json) for a, r in replies.items()}
         reports = {a: r for a, r in answers.items() if isinstance(r, FlushReport)}
@@ -305,7 +313,11 @@ class RelayCoordinator:
             failures.extend(report.failures)
         if expected_digests is not None:
             failures.extend(_digest_mismatches(reports, expected_digests))
-        committed = not failures and all(r.complete for r in reports.values())
+        committed = (
+            not failures
+            and len(reports) == len(self.relays)
+            and all(r.complete for r in reports.values())
+        )
         return TransferOutcome(transfer_id, committed, reports, tuple(failures), causes=causes)
 
     def _record(self, transfer_id: str, commit: bool) -> None:

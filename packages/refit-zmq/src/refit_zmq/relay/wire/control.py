@@ -92,6 +92,7 @@ class ControlChannel:
         reply_within_s: float,
         until: float | None = None,
         retries: int | None = None,
+        stop_when_gone: bool = False,
     ) -> dict[str, Reply]:
         """Send ``requests`` (relay -> (kind, fields)) and wait for every answer.
 
@@ -101,6 +102,9 @@ class ControlChannel:
             until: the ``time.monotonic()`` instant by which every attempt ends, retries
                 included (None: no bound besides the attempts).
             retries: further attempts after a timeout (default: the tuning's).
+            stop_when_gone: once a relay is found gone, stop waiting for the others (their
+                answers no longer matter: a FLUSH that cannot commit); they are left out of
+                the result.
 
         Returns:
             Relay -> its DONE result or the error its request ended in, after at most
@@ -129,7 +133,8 @@ class ControlChannel:
                 break
             if now - checked >= _LIVENESS_S:
                 checked = now
-                self._fail_gone(waiting, calls, replies)
+                if self._fail_gone(waiting, calls, replies) and stop_when_gone:
+                    break
                 waiting = [a for a in waiting if a not in replies]
             poller = zmq.Poller()
             for address in waiting:
@@ -148,17 +153,19 @@ class ControlChannel:
 
     def _fail_gone(
         self, waiting: list[str], calls: Mapping[str, _Call], replies: dict[str, Reply]
-    ) -> None:
-        """End the requests to relays whose port refuses connections (gone for good)."""
-        for address in waiting:
-            if refuses_connections(address):
-                call = calls[address]
-                logger.warning("relay %s: %s failed: the relay is gone", address, call.kind)
-                self._link(address).reset()
-                replies[address] = RefitTimeoutError(
-                    f"relay {address}: could not answer {call.kind}: it refuses connections "
-                    "(its process is dead, or the relay was closed)"
-                )
+    ) -> bool:
+        """End the requests to relays whose port refuses connections (gone for good); whether
+        there was one."""
+        gone = [a for a in waiting if refuses_connections(a)]
+        for address in gone:
+            call = calls[address]
+            logger.warning("relay %s: %s failed: the relay is gone", address, call.kind)
+            self._link(address).reset()
+            replies[address] = RefitTimeoutError(
+                f"relay {address}: could not answer {call.kind}: it refuses connections "
+                "(its process is dead, or the relay was closed)"
+            )
+        return bool(gone)
 
     def _advance(self, address: str, call: _Call, now: float, replies: dict[str, Reply]) -> None:
         """Send a due request without blocking; time out an overdue attempt."""
