@@ -40,7 +40,9 @@ from refit_zmq.relay import RelayTuning
 from refit_zmq.sparse import EngineRelay, ZmqSparseOptions
 
 DEADLINE_S = 5.0
-TUNING = RelayTuning(chunk_bytes=256 * 1024, max_inflight_bytes=16 << 20, retries=1)
+# Small chunks (the protocol's least): a payload arrives in hundreds of them, so a worker that
+# freezes in its on_refit_begin does so while most of its first payload is still on the wire.
+TUNING = RelayTuning(chunk_bytes=4096, max_inflight_bytes=16 << 20, retries=1)
 
 
 class RelayWorker:
