@@ -353,3 +353,9 @@ def test_a_deadline_too_short_says_what_the_transfer_needed_and_needs_a_fix() ->
     assert (copy.needed_s, copy.deadline_s, copy.recovery) == (8.0, 2.0, Recovery.FIX)
     unknown = DeadlineTooShortError.measured("x", deadline_s=1.0, elapsed_s=1.0, progress=0.0)
     assert unknown.needed_s is None and "nothing of it moved" in str(unknown)
+
+
+def test_a_shard_of_several_workers_is_named_once() -> None:
+    workers = [EngineStatus(0, f"w{rank}", EngineHealth.SERVING, 2) for rank in range(2)]
+    status = FleetStatus.of([*workers, EngineStatus(1, "w2", EngineHealth.SERVING, 2)])
+    assert status.serving() == {2: (0, 1)} and status.shards(EngineHealth.SERVING) == (0, 1)

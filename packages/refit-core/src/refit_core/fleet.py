@@ -77,11 +77,11 @@ class FleetStatus:
         return cls(ordered, tuple(sorted(set(left_out))))
 
     def serving(self) -> dict[int, tuple[int, ...]]:
-        """Version -> the shards serving it."""
-        by_version: dict[int, list[int]] = {}
+        """Version -> the shards serving it (a shard of several workers named once)."""
+        by_version: dict[int, dict[int, None]] = {}
         for engine in self.engines:
             if engine.version is not None:
-                by_version.setdefault(engine.version, []).append(engine.shard)
+                by_version.setdefault(engine.version, {})[engine.shard] = None
         return {v: tuple(shards) for v, shards in sorted(by_version.items())}
 
     def shards(self, health: EngineHealth) -> tuple[int, ...]:
