@@ -359,3 +359,11 @@ def test_a_shard_of_several_workers_is_named_once() -> None:
     workers = [EngineStatus(0, f"w{rank}", EngineHealth.SERVING, 2) for rank in range(2)]
     status = FleetStatus.of([*workers, EngineStatus(1, "w2", EngineHealth.SERVING, 2)])
     assert status.serving() == {2: (0, 1)} and status.shards(EngineHealth.SERVING) == (0, 1)
+
+
+def test_recover_with_no_engine_answering_drops_nothing_and_says_try_again() -> None:
+    sync = FleetSynchronizer({0: EngineHealth.UNREACHABLE, 1: EngineHealth.UNREACHABLE})
+    with pytest.raises(RefitTimeoutError, match="no engine answered") as failed:
+        sync.recover()
+    assert failed.value.recovery is Recovery.RECOVER and failed.value.failed_shards == (0, 1)
+    assert not any(call.startswith("reconcile") for call in sync.calls)

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from refit_core.deadline import Deadline
-from refit_core.errors import RefitError, RefitTimeoutError, SynchronizerClosedError
+from refit_core.errors import (
+    EngineReport,
+    EngineState,
+    RefitError,
+    RefitTimeoutError,
+    SynchronizerClosedError,
+)
 from refit_core.fleet import EngineHealth, FleetStatus
 from refit_core.staging import StagedRefit
 from refit_core.types import RefitResult, WeightVersion
@@ -230,6 +236,7 @@ class WeightSynchronizer(ABC):
         is aborted first. Each step has the refit's deadline.
 
         Raises:
+            RefitTimeoutError: no engine answered (``Recovery.RECOVER``: try again later).
             RefitError: a step failed (the fleet is then as :meth:`status` says).
         """
         with self._lock:
@@ -246,6 +253,14 @@ class WeightSynchronizer(ABC):
                 )
             before = self._status(deadline)
             dropped = before.shards(EngineHealth.UNREACHABLE)
+            if before.engines and set(dropped) == {e.shard for e in before.engines}:
+                raise RefitTimeoutError(
+                    f"no engine answered ({before.describe()}): nothing to recover onto yet",
+                    engines=[
+                        EngineReport(e.shard, e.worker, EngineState.UNKNOWN, None, e.detail)
+                        for e in before.engines
+                    ],
+                )
             logger.info("%s: recovering from %s", type(self).__name__, before.describe())
             self._run_hook(
                 "reconcile_communicator",

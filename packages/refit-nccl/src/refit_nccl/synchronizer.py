@@ -35,7 +35,14 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
+from refit_core.backend import (
+    CollectiveSenderSpec,
+    Deadline,
+    Gathered,
+    Participant,
+    gather,
+    probe_timeout_s,
+)
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
@@ -79,7 +86,7 @@ class CollectiveOptions:
             failure wait for each engine's status (every engine asked at once; one that does
             not answer is unreachable, and is not asked again while that call is pending).
             None derives it from the deadline: a tenth of ``refit_timeout_s``, within
-            [0.5 s, 2 s] (2 s without a deadline). A value above a quarter of
+            [1 s, 2 s] (2 s without a deadline). A value above a quarter of
             ``refit_timeout_s`` is refused when the synchronizer is built.
         group_name: prefix of each group's store keys; a counter makes every group unique.
         communicator_in_child: every participant runs its communicator in a child process
@@ -157,7 +164,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._group: _Group | None = None
         self._stale_reason: str | None = None
         self._staged_on: dict[str, tuple[Participant[CollectiveStagingRole], ...]] = {}
-        self._probe_s = _probe_timeout(self._options.status_timeout_s, refit_timeout_s)
+        self._probe_s = probe_timeout_s(
+            self._options.status_timeout_s, refit_timeout_s, name="status_timeout_s"
+        )
         self._probes: dict[Hashable, Future[WorkerStatus]] = {}
         self._dead: dict[Hashable, BaseException] = {}
 
@@ -646,26 +655,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         remaining = deadline.remaining_s()
         limit = self._options.control_timeout_s
         return limit if remaining is None else min(limit, remaining + self._options.grace_s)
-
-
-def _probe_timeout(status_timeout_s: float | None, refit_timeout_s: float | None) -> float:
-    """The status probe's timeout: ``status_timeout_s``, or derived from the deadline.
-
-    Raises:
-        ValueError: ``status_timeout_s`` is above a quarter of the deadline (a fleet with a
-            frozen engine could then not be asked and recovered within it).
-    """
-    if status_timeout_s is None:
-        derived = 2.0 if refit_timeout_s is None else refit_timeout_s / 10
-        return min(2.0, max(0.5, derived))
-    if status_timeout_s <= 0:
-        raise ValueError(f"status_timeout_s must be > 0, got {status_timeout_s}")
-    if refit_timeout_s is not None and status_timeout_s > refit_timeout_s / 4:
-        raise ValueError(
-            f"status_timeout_s={status_timeout_s} does not fit a refit_timeout_s of "
-            f"{refit_timeout_s} (at most a quarter of it); leave it None to derive it"
-        )
-    return status_timeout_s
 
 
 def _died(error: BaseException) -> bool:

@@ -33,7 +33,7 @@ from refit_core import (
     WorkerError,
     WorkerOutcome,
 )
-from refit_core.backend import Deadline, Participant, gather
+from refit_core.backend import Deadline, Participant, gather, probe_timeout_s
 from refit_zmq.relay import (
     CurveConfig,
     PreparedTransfer,
@@ -80,7 +80,7 @@ class ZmqSparseOptions:
         probe_timeout_s: how long ``status()`` and ``recover()`` wait for each relay's STATUS
             answer (every relay asked at once, once; one that does not answer in time is
             ``unreachable``, and its next probe starts on a fresh connection). None derives
-            it from the deadline: a tenth of ``refit_timeout_s``, within [0.5 s, 2 s]
+            it from the deadline: a tenth of ``refit_timeout_s``, within [1 s, 2 s]
             (2 s without a deadline). A value above a quarter of ``refit_timeout_s`` is
             refused when the synchronizer is built.
         verification_candidates: entries each receiver re-reads per payload (0: none).
@@ -103,8 +103,7 @@ class ZmqSparseOptions:
     def __post_init__(self) -> None:
         if self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
-        if self.probe_timeout_s is not None and self.probe_timeout_s <= 0:
-            raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
+        probe_timeout_s(self.probe_timeout_s, None, name="probe_timeout_s")
 
     def probe_s(self, refit_timeout_s: float | None) -> float:
         """The STATUS probe's timeout under a refit deadline of ``refit_timeout_s``.
@@ -113,15 +112,7 @@ class ZmqSparseOptions:
             ValueError: ``probe_timeout_s`` is above a quarter of the deadline (a fleet
                 with a frozen relay could then not be asked and recovered within it).
         """
-        if self.probe_timeout_s is None:
-            derived = 2.0 if refit_timeout_s is None else refit_timeout_s / 10
-            return min(2.0, max(0.5, derived))
-        if refit_timeout_s is not None and self.probe_timeout_s > refit_timeout_s / 4:
-            raise ValueError(
-                f"probe_timeout_s={self.probe_timeout_s} does not fit a refit_timeout_s of "
-                f"{refit_timeout_s} (at most a quarter of it); leave it None to derive it"
-            )
-        return self.probe_timeout_s
+        return probe_timeout_s(self.probe_timeout_s, refit_timeout_s, name="probe_timeout_s")
 
     @classmethod
     def from_env(cls, *, bucket_size_bytes: int | None = None) -> ZmqSparseOptions:
