@@ -63,6 +63,10 @@ __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 
 logger = logging.getLogger(__name__)
 
+_FAILURE_PROBE_S = 0.25
+"""How long a failed refit waits for the engines' statuses (they answer within milliseconds
+unless frozen)."""
+
 ShardMap = Mapping[int, Sequence[Participant[CollectiveEngineRole]]]
 """Engine shard index -> its workers, in local-rank order."""
 
@@ -541,7 +545,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         answered = self._probe([w for _, w in workers])
         return FleetStatus.of(_engine_status(i, w, answered) for i, w in workers)
 
-    def _probe(self, workers: Sequence[Participant[CollectiveEngineRole]]) -> Gathered:
+    def _probe(
+        self, workers: Sequence[Participant[CollectiveEngineRole]], wait_s: float | None = None
+    ) -> Gathered:
         """Each worker's status within the probe timeout, all asked at once. A worker whose
         last status call is still unanswered (frozen) is not asked again, that call is
         awaited instead, so calls never pile up on it; a worker whose actor died is
@@ -554,7 +560,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             if pending is None or pending.done():
                 pending = self._probes[worker.key] = worker.call(CollectiveEngineRole.refit_status)
             calls[worker] = pending
-        answered = gather(calls, self._probe_s)
+        answered = gather(calls, self._probe_s if wait_s is None else wait_s)
         for worker, error in answered.errors.items():
             if _died(error):
                 logger.warning("%s died: %s", worker.label, _one_line(error))
@@ -597,8 +603,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         silent = set(gathered.missing)
         if target is not None:
             # Every engine is asked, those that did not answer the refit too: a survivor
-            # still inside its transfer answers its status at once; a frozen one does not.
-            answered = self._probe(list(shard_of))
+            # still inside its transfer answers its status at once; a frozen one does not
+            # (its probe is kept short: the error is due at the deadline and its grace).
+            answered = self._probe(list(shard_of), wait_s=min(self._probe_s, _FAILURE_PROBE_S))
             fleet = FleetStatus.of(_engine_status(shard_of[w], w, answered) for w in shard_of)
             silent = {w for w in gathered.missing if w not in answered.results}
             engines = _merged(
