@@ -101,6 +101,7 @@ def test_a_trainer_killed_while_staging_leaves_the_served_version_and_never_paus
 
     policy = CheckpointPolicy(checkpoints, "A")
     with _in_process(served, policy) as retry:
-        staged = retry.stage_weights(version + 1)
+        staged = retry.stage_weights()  # above version + 1: it began staging, never reused
+        assert staged.version == version + 2
         retry.commit_weights(staged)
-    assert served.client.weight_version() == str(version + 1)
+    assert served.client.weight_version() == str(version + 2)
