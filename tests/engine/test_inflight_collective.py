@@ -87,6 +87,8 @@ def test_a_trainer_killed_while_staging_leaves_the_served_version_and_never_paus
         refit_timeout_s=KILLED_DEADLINE_S,
     )
     try:
+        synchronizer.init_communicator()  # adopts the version the engine serves
+        assert synchronizer.version == version
         with served_as_without_a_refit(served, synchronizer):
             started = time.monotonic()
             with pytest.raises(RefitError) as killed:
