@@ -136,7 +136,7 @@ class FleetSynchronizer(RecordingSynchronizer):
         self.fleet = fleet
         self.absent: frozenset[int] = frozenset()
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
         engines = []
         for shard, held in self.fleet.items():
             if isinstance(held, EngineHealth):
@@ -152,12 +152,12 @@ class FleetSynchronizer(RecordingSynchronizer):
     def _close_open_transfers(self, deadline: Deadline) -> None:
         self.calls.append("close_open")
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         return frozenset(self.fleet) - self.absent
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
         result = super()._sync_weights(version, deadline)
-        for shard in self._live_shards() or ():
+        for shard in self.live_shards() or ():
             self.fleet[shard] = version
         return result
 

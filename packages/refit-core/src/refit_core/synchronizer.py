@@ -207,7 +207,7 @@ class WeightSynchronizer(ABC):
         with self._lock:
             self._require_open()
             deadline = self._deadline()
-            return self._run_hook("status", lambda: self._fleet_status(deadline))
+            return self._run_hook("status", lambda: self.fleet_status(deadline))
 
     def recover(self) -> RecoveryReport:
         """Bring the fleet back to one version after any failure, as its error advised.
@@ -234,7 +234,7 @@ class WeightSynchronizer(ABC):
                     f"abort of staged version {staged.version}",
                     lambda: self._abort_staged(staged, deadline),
                 )
-            before = self._run_hook("status", lambda: self._fleet_status(deadline))
+            before = self._run_hook("status", lambda: self.fleet_status(deadline))
             dropped = before.shards(EngineHealth.UNREACHABLE)
             logger.info("%s: recovering from %s", type(self).__name__, before.describe())
             self._run_hook(
@@ -243,7 +243,7 @@ class WeightSynchronizer(ABC):
             )
             self._initialized = True
             self._run_hook("closing open transfers", lambda: self._close_open_transfers(deadline))
-            live = self._live(self._run_hook("status", lambda: self._fleet_status(deadline)))
+            live = self._live(self._run_hook("status", lambda: self.fleet_status(deadline)))
             resync: RefitResult | None = None
             if not live.consistent or live.agreed_version != self.version:
                 newest = max(self.version, live.newest_version or 0)
@@ -254,7 +254,7 @@ class WeightSynchronizer(ABC):
                     newest + 1,
                 )
                 resync = self.sync_weights(newest + 1)
-            after = self._fleet_status(self._deadline())
+            after = self.fleet_status(self._deadline())
             logger.info("%s: recovered: %s", type(self).__name__, after.describe())
             return RecoveryReport(before, dropped, resync, after)
 
@@ -328,16 +328,23 @@ class WeightSynchronizer(ABC):
         """Drop ``staged`` everywhere (rows that stage)."""
         raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
-        """Ask every engine of the fleet (absent shards included) how it is."""
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """Hook behind :meth:`status` and :meth:`recover`, for rows that can ask their
+        engines: every engine of the fleet (shards left out of the communicator included),
+        asked directly within ``deadline`` (it must work while the communicator is broken).
+        Callers use :meth:`status`, which holds the synchronizer's lock and wraps errors.
+        The default raises ``NotImplementedError``: ``status()`` and ``recover()`` say so."""
         raise NotImplementedError(f"{type(self).__name__} cannot report its fleet's status")
 
     def _close_open_transfers(self, deadline: Deadline) -> None:
         """Finish every transfer a fault left open on an engine (rows without any: nothing)."""
         return None
 
-    def _live_shards(self) -> frozenset[int] | None:
-        """The shards in the communicator now (None: every shard of the fleet)."""
+    def live_shards(self) -> frozenset[int] | None:
+        """Hook for :meth:`recover`: the shards in the communicator now (None, the default:
+        every shard of the fleet). Rows whose membership changes with
+        ``_reconcile_communicator`` override it, so that ``recover()`` judges only the
+        engines still refitted."""
         return None
 
     @abstractmethod
@@ -351,7 +358,7 @@ class WeightSynchronizer(ABC):
 
     def _live(self, fleet: FleetStatus) -> FleetStatus:
         """``fleet`` without the shards left out of the communicator."""
-        live = self._live_shards()
+        live = self.live_shards()
         if live is None:
             return fleet
         return FleetStatus(tuple(e for e in fleet.engines if e.shard in live))
@@ -359,7 +366,7 @@ class WeightSynchronizer(ABC):
     def _adopt_fleet_version(self, deadline: Deadline) -> None:
         """Start from the newest version the engines serve (a restarted controller)."""
         try:
-            fleet = self._fleet_status(deadline)
+            fleet = self.fleet_status(deadline)
         except NotImplementedError:
             return
         except RefitError as exc:

@@ -517,7 +517,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- fleet status and failures -----------------------------------------------------
 
-    def _fleet_status(
+    def fleet_status(
         self,
         deadline: Deadline,
         *,
@@ -539,7 +539,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
         return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         group = self._group
         return None if group is None else frozenset(group.membership.shard_indices)
 
@@ -561,7 +561,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if target is not None:
             # Engines that did not answer the refit are not asked again (frozen ones would
             # hold the error back); the others answer at once.
-            fleet = self._fleet_status(
+            fleet = self.fleet_status(
                 Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
             )
             engines = _merged(

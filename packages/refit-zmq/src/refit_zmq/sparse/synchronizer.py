@@ -438,7 +438,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _is_stale(self) -> bool:
         return self._stale
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
         """Every relay's engine, left-out relays included: serving its committed version,
         closed while a transfer holds part of its bytes, or unreachable."""
         relays = list(self._relays())
@@ -452,7 +452,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _close_open_transfers(self, deadline: Deadline) -> None:
         self._control(deadline).close_open_transfers(deadline=deadline)
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         if self._coordinator is None:
             return None
         return frozenset(self._tree_shards().values())
