@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -84,6 +85,28 @@ def test_refit_errors_pass_through_unchanged() -> None:
     with pytest.raises(RefitError) as info:
         sync.sync_weights()
     assert info.value is error
+
+
+@pytest.mark.parametrize("failure", [RefitError("typed\nsecond line"), KeyError("boom")])
+def test_a_failed_refit_logs_one_warning_line_and_its_traceback_at_debug(
+    caplog: pytest.LogCaptureFixture, failure: BaseException
+) -> None:
+    sync = RecordingSynchronizer()
+    sync.fail_with = failure
+    with (
+        caplog.at_level(logging.DEBUG, logger="refit_core.synchronizer"),
+        pytest.raises(RefitError),
+    ):
+        sync.sync_weights()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = warnings
+    assert warning.exc_info is None and "\n" not in warning.getMessage()
+    assert warning.getMessage().startswith("RecordingSynchronizer: refit to version 1 failed: ")
+    assert (
+        "typed" if isinstance(failure, RefitError) else "KeyError: 'boom'"
+    ) in warning.getMessage()
+    traced = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert len(traced) == 1 and traced[0].exc_info[1] is failure  # type: ignore[index]
 
 
 def test_each_refit_gets_a_fresh_deadline() -> None:

@@ -209,6 +209,39 @@ class WeightSynchronizer(ABC):
             deadline = self._deadline()
             return self._run_hook("status", lambda: self.fleet_status(deadline))
 
+    def wait_for_switch(
+        self, result: RefitResult, *, timeout_s: float | None = None, poll_s: float = 0.5
+    ) -> FleetStatus:
+        """Wait until every engine of ``result.engines_to_switch`` serves ``result.version``
+        (asking the fleet every ``poll_s``, as :meth:`status` does); at once when none is
+        left to switch.
+
+        Args:
+            result: what :meth:`sync_weights` or :meth:`commit_weights` returned.
+            timeout_s: the longest wait (default: ``refit_timeout_s``; None then: no limit).
+
+        Returns:
+            The fleet as it answered last.
+
+        Raises:
+            RefitTimeoutError: an engine still does not serve the version; the error names it.
+            NotImplementedError: the row cannot ask its engines.
+        """
+        waiting = set(result.engines_to_switch)
+        deadline = Deadline.after(self.refit_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            fleet = self.status()
+            serving = {e.worker for e in fleet.engines if e.version == result.version}
+            waiting -= serving
+            if not waiting:
+                return fleet
+            if deadline.expired():
+                raise RefitTimeoutError(
+                    f"engines {sorted(waiting)} do not serve version {result.version} yet "
+                    f"({fleet.describe()})"
+                )
+            time.sleep(min(poll_s, deadline.remaining_s() or poll_s))
+
     def recover(self) -> RecoveryReport:
         """Bring the fleet back to one version after any failure, as its error advised.
 
@@ -411,14 +444,30 @@ class WeightSynchronizer(ABC):
     def _run_hook(self, what: str, hook: Callable[[], _T]) -> _T:
         try:
             return hook()
-        except RefitError:
-            logger.warning("%s: %s failed", type(self).__name__, what, exc_info=True)
+        except RefitError as exc:
+            self._log_failure(what, exc)
             raise
         except TimeoutError as exc:
-            logger.warning("%s: %s timed out", type(self).__name__, what, exc_info=True)
-            raise RefitTimeoutError(f"{what} timed out: {exc}") from exc
+            error: RefitError = RefitTimeoutError(f"{what} timed out: {exc}")
+            self._log_failure(what, exc, error)
+            raise error from exc
         except (ValueError, NotImplementedError):
             raise
         except Exception as exc:
-            logger.warning("%s: %s failed", type(self).__name__, what, exc_info=True)
-            raise RefitError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+            error = RefitError(f"{what} failed: {type(exc).__name__}: {exc}")
+            self._log_failure(what, exc, error)
+            raise error from exc
+
+    def _log_failure(self, what: str, exc: BaseException, raised: RefitError | None = None) -> None:
+        """One WARNING line with the summary of the error the caller gets (a caller that
+        handles it needs no traceback in its log); the traceback at DEBUG."""
+        shown = raised or exc
+        lines = str(shown).splitlines()
+        logger.warning(
+            "%s: %s failed: %s: %s",
+            type(self).__name__,
+            what,
+            type(shown).__name__,
+            lines[0] if lines else "",
+        )
+        logger.debug("%s: %s failed", type(self).__name__, what, exc_info=exc)

@@ -34,7 +34,15 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
+from refit_core.backend import (
+    CollectiveSenderSpec,
+    Deadline,
+    Gathered,
+    Participant,
+    check_field_types,
+    checked_buffer_size,
+    gather,
+)
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
@@ -90,6 +98,11 @@ class CollectiveOptions:
     status_timeout_s: float = 10.0
     group_name: str = "refit"
     communicator_in_child: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.buffer_size_bytes is not None:
+            checked_buffer_size(self.buffer_size_bytes, "CollectiveOptions.buffer_size_bytes")
 
 
 @dataclass(frozen=True)
