@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, Trainer, digests, make_state
@@ -15,6 +17,20 @@ from refit_core import RefitTimeoutError
 from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def _freeze(pid: int, within_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (a signal is delivered
+    when a thread next runs: under load, a relay thread could otherwise answer first)."""
+    os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + within_s
+    tasks = Path(f"/proc/{pid}/task")
+    while any(
+        (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t")
+        for task in tasks.iterdir()
+    ):
+        assert time.monotonic() < give_up, f"relay {pid} did not stop"
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -37,7 +53,7 @@ def test_an_engine_that_missed_the_commit_is_named_and_waited_for(fleet: RelayFl
         assert sync.sync_weights().engines_to_switch == ()
         trainer.step(seed=6)
         staged = sync.stage_weights()  # prepared on both relays
-        os.kill(fleet.pids[1], signal.SIGSTOP)
+        _freeze(fleet.pids[1])
         try:
             result = sync.commit_weights(staged)  # returns: the commit was decided
             assert result.engines_to_switch == (frozen,)
