@@ -59,6 +59,7 @@ class EngineClosedError(RuntimeError):
     """The engine's weights are being written or are partial: it answers nothing."""
 
 
+# --8<-- [start:engine]
 class TinyEngine:
     """The user's engine: ``CollectiveEngine`` (load, reset cache, commit a version, say
     what it accepts), ``RelayEngine`` (its version and live tensors, for the sparse row:
@@ -149,6 +150,8 @@ class TinyEngine:
                 self._prefix_cache[key] = self.model(x)
             return self._prefix_cache[key]
 
+    # --8<-- [end:engine]
+
     def weights(self) -> Weights:
         return {name: t.clone() for name, t in self.model.state_dict().items()}
 
@@ -158,6 +161,7 @@ GEOMETRY = CollectiveSenderSpec(
 )  # 2 MiB: 3 buckets
 
 
+# --8<-- [start:worker]
 class EngineWorker(EngineEndpoint):
     """One engine worker, a Ray actor: refit's endpoint around the user's engine, plus the
     user's own serving methods."""
@@ -192,6 +196,9 @@ class EngineWorker(EngineEndpoint):
 
     def pid(self) -> int:
         return os.getpid()
+
+
+# --8<-- [end:worker]
 
 
 class EngineFleet:
@@ -229,6 +236,7 @@ class Trainer:
         return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
 
 
+# --8<-- [start:synchronizer]
 def make_synchronizer(trainer: Trainer, fleet: EngineFleet) -> WeightSynchronizer:
     return create_weight_synchronizer(
         trainer,
@@ -239,6 +247,9 @@ def make_synchronizer(trainer: Trainer, fleet: EngineFleet) -> WeightSynchronize
         inference_cluster=LocalCluster(len(fleet.workers)),
         refit_timeout_s=30.0,
     )
+
+
+# --8<-- [end:synchronizer]
 
 
 @dataclass
@@ -395,7 +406,7 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
 
 
 def main() -> None:
-    # refit logs every failure at WARNING with its traceback; the demo prints the error's facts.
+    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
     logging.basicConfig(level=logging.ERROR)
     with local_ray(num_cpus=4, log_to_driver=False):
         outcome = run()

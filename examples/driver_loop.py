@@ -44,6 +44,7 @@ from refit_lab.ray_cluster import local_ray
 __all__ = ["Action", "NoProgressError", "RefitLoop", "drive"]
 
 
+# --8<-- [start:loop]
 @dataclass(frozen=True)
 class Action:
     """One thing the loop did: the error it met (or None) and what the hint made it do."""
@@ -165,6 +166,9 @@ def drive(
             before_refit(step)
         results.append(loop.refit(step))
     return results
+
+
+# --8<-- [end:loop]
 
 
 def run(steps: int = 6) -> list[Action]:

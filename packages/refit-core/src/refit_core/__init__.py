@@ -8,7 +8,6 @@ backends are found through the ``refit.backends`` entry points and imported on f
 
 from importlib import metadata
 
-from refit_core.deadline import Deadline
 from refit_core.engine_hooks import RefitHooks
 from refit_core.errors import (
     AuthenticationError,
@@ -48,7 +47,6 @@ __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
-    "Deadline",
     "DeadlineTooShortError",
     "EngineHealth",
     "EngineReport",

@@ -40,6 +40,8 @@ from refit_core.backend import (
     Deadline,
     Gathered,
     Participant,
+    check_field_types,
+    checked_buffer_size,
     gather,
     probe_timeout_s,
 )
@@ -107,6 +109,11 @@ class CollectiveOptions:
     status_timeout_s: float | None = None
     group_name: str = "refit"
     communicator_in_child: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.buffer_size_bytes is not None:
+            checked_buffer_size(self.buffer_size_bytes, "CollectiveOptions.buffer_size_bytes")
 
 
 @dataclass(frozen=True)
@@ -539,7 +546,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- fleet status and failures -----------------------------------------------------
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
         """Every engine worker's status, all asked at once (see :meth:`_probe`)."""
         workers = [(i, w) for i, ws in self._shards().items() for w in ws]
         answered = self._probe([w for _, w in workers])
@@ -571,7 +578,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 answered.errors[worker] = self._dead[worker.key]
         return answered
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         group = self._group
         return None if group is None else frozenset(group.membership.shard_indices)
 
