@@ -405,23 +405,33 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
         fleet.close()
 
 
-def main() -> None:
-    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
-    logging.basicConfig(level=logging.ERROR)
-    with local_ray(num_cpus=4, log_to_driver=False):
-        outcome = run()
-    for done in outcome.refits:
+def print_refits(refits: Sequence[Refit]) -> None:
+    """One line per refit: its version, the shards that hold it, whether each is bit-exact."""
+    for done in refits:
         exact = all(
             all(torch.equal(w[n], t) for n, t in done.trainer.items())
             for w in done.engines.values()
         )
         print(f"version {done.version} on shards {sorted(done.engines)}: bit-exact {exact}")
+
+
+def print_error(error: RefitError) -> None:
+    """A refit's error as a framework reads it: its type and message, its hint, its shards."""
+    print(f"  {type(error).__name__}: {str(error)[:160]}")
+    print(f"  recovery={error.recovery.value} failed_shards={error.failed_shards}")
+
+
+def main() -> None:
+    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
+    logging.basicConfig(level=logging.ERROR)
+    with local_ray(num_cpus=4, log_to_driver=False):
+        outcome = run()
+    print_refits(outcome.refits)
     error = outcome.error
     print(
         f"killed shard {outcome.killed_shard}; the refit failed {outcome.released_after_s:.2f} s later:"
     )
-    print(f"  {type(error).__name__}: {str(error)[:160]}")
-    print(f"  recovery={error.recovery.value} failed_shards={error.failed_shards}")
+    print_error(error)
     for engine in error.engines:
         print(f"  shard {engine.shard} ({engine.worker}): {engine.state.value}")
     print(f"  a survivor refused a request while closed: {outcome.refused_while_closed}")

@@ -27,7 +27,16 @@ from typing import Any
 import ray
 import torch
 
-from custom_engine import Refit, TinyEngine, Trainer, Weights, read_back, wait_for
+from custom_engine import (
+    Refit,
+    TinyEngine,
+    Trainer,
+    Weights,
+    print_error,
+    print_refits,
+    read_back,
+    wait_for,
+)
 from refit_core import (
     FleetStatus,
     RecoveryReport,
@@ -210,16 +219,10 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     with local_ray(num_cpus=4, log_to_driver=False):
         outcome = run()
-    for done in outcome.refits:
-        exact = all(
-            all(torch.equal(w[n], t) for n, t in done.trainer.items())
-            for w in done.engines.values()
-        )
-        print(f"version {done.version} on shards {sorted(done.engines)}: bit-exact {exact}")
+    print_refits(outcome.refits)
     error = outcome.error
     print(f"froze shard {outcome.frozen_shard} inside on_refit_begin; the refit failed:")
-    print(f"  {type(error).__name__}: {str(error)[:160]}")
-    print(f"  recovery={error.recovery.value} failed_shards={error.failed_shards}")
+    print_error(error)
     print(f"status() in {outcome.status_s:.2f} s:  {outcome.status.describe()}")
     report = outcome.recovery
     print(f"recover() in {outcome.recovery_s:.2f} s: dropped {report.dropped_shards}")
