@@ -2,7 +2,7 @@
 
 ``refit(state, staged)`` runs a complete refit to ``state`` from a trainer in the test's
 process and returns its version; the failure checks take the error of a refit to A whose
-trainer failed half-way.
+trainer failed part-way.
 """
 
 from __future__ import annotations

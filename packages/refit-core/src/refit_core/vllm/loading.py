@@ -14,6 +14,11 @@ copied into the kernel tensors. A layer loaded in part cannot be undone, so:
   holds weights of no single version (:attr:`CheckpointLoading.partial`), so the engine must
   stay closed (:class:`~refit_core.vllm.VllmGate`) until a later complete refit.
 
+Every load ends with the worker's :class:`~refit_core.vllm.runtime_check.RuntimeCheck`: the
+modules vLLM's reload leaves stale (a tied ``lm_head``) are processed again, and what the
+kernels read is checked against the refit's tensors; a load that leaves any of it on other
+values raises :class:`~refit_core.errors.VerificationError` (the model stays :attr:`partial`).
+
 Only a vLLM worker imports this module (it imports torch and vLLM).
 """
 
@@ -30,7 +35,11 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-__all__ = ["CheckpointLoading", "LoadingReceiver", "ModelHolder"]
+from refit_core.backend import checkpoint_specs, dtype_name
+from refit_core.vllm.runtime_check import RuntimeCheck
+from refit_core.vllm.write_map import WriteMap, capture_write_map
+
+__all__ = ["CheckpointLoading", "LoadingReceiver", "ModelHolder", "runtime_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,26 @@ class ModelHolder(Protocol):
 
     model: Any
     model_config: Any
+
+
+def runtime_check(holder: ModelHolder, found: WriteMap | None = None) -> RuntimeCheck:
+    """The runtime check of ``holder``'s model, from its write map (captured here from the
+    engine's checkpoint unless given).
+
+    Raises:
+        RefitError: the model cannot be kept exact (see :class:`RuntimeCheck`).
+        RuntimeError: the model's loader cannot run on meta tensors.
+    """
+    if found is None:
+        config = holder.model_config
+        specs = {
+            name: (shape, getattr(torch, dtype))
+            for name, (shape, dtype) in checkpoint_specs(
+                config.model, dtype_name(config.dtype)
+            ).items()
+        }
+        found = capture_write_map(holder.model, specs)
+    return RuntimeCheck(holder.model, found)
 
 
 class CheckpointLoading:
@@ -53,11 +82,17 @@ class CheckpointLoading:
     def __init__(self, holder: ModelHolder, *, staged: bool) -> None:
         self._holder = holder
         self.staged = staged
+        self.check: RuntimeCheck | None = None
+        """Run around every load (set by the receiver once it started:
+        :func:`runtime_check`)."""
         self.partial = False
         """Whether the model holds weights other than the version it serves (a load began
         and no refit was committed since)."""
         self.last_load_s: float | None = None
-        """How long the last :meth:`complete` took (the staged load, or the reload's end)."""
+        """How long the last :meth:`complete` took (the staged load, or the reload's end, and
+        the runtime check)."""
+        self.last_check_s: float | None = None
+        """How long the runtime check of the last load took (part of :attr:`last_load_s`)."""
         self._host: dict[str, torch.Tensor] = {}
         self._received: list[str] = []
         self._reloading = False
@@ -70,12 +105,20 @@ class CheckpointLoading:
     def begin(self) -> None:
         """Start a refit: forget what an unfinished one received."""
         self._received = []
+        self._runtime_check().begin()
+
+    def _runtime_check(self) -> RuntimeCheck:
+        if self.check is None:
+            raise RuntimeError("the receiver never built its runtime check")
+        return self.check
 
     def take(self, weights: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> None:
         """One bucket's tensors, valid only during this call (``copy``) or until the refit
         completes."""
+        check = self._runtime_check()
         if self.staged:
             for name, tensor in weights:
+                check.expect(name, tensor)
                 self._stage(name, tensor)
             return
         if not self._reloading:
@@ -84,7 +127,10 @@ class CheckpointLoading:
         self.partial = True
         # The reload keeps a layer's tensors until the layer is complete, while a caller may
         # reuse its buffers once this returns.
-        self._holder.model.load_weights([(n, t.clone() if copy else t) for n, t in weights])
+        taken = [(n, t.clone() if copy else t) for n, t in weights]
+        for name, tensor in taken:
+            check.expect(name, tensor)
+        self._holder.model.load_weights(taken)
 
     def _stage(self, name: str, tensor: torch.Tensor) -> None:
         held = self._host.get(name)
@@ -96,12 +142,18 @@ class CheckpointLoading:
 
     def complete(self) -> None:
         """The refit is complete: load what was staged (staged) or finish the reload session
-        (streamed). The model holds the refit's weights once this returns (still
-        :attr:`partial` until :meth:`committed`)."""
+        (streamed), then run the runtime check. The model holds the refit's weights once this
+        returns (still :attr:`partial` until :meth:`committed`).
+
+        Raises:
+            VerificationError: the model or its kernels hold other values than the refit's
+                after the load (the model stays :attr:`partial`).
+        """
         started = time.perf_counter()
+        loaded = self._reloading
         if self.staged and self._received:
             initialize_layerwise_reload(self._holder.model)
-            self._reloading = True
+            self._reloading = loaded = True
             self.partial = True
             try:
                 self._holder.model.load_weights([(n, self._host[n]) for n in self._received])
@@ -111,6 +163,10 @@ class CheckpointLoading:
         else:
             self._finish()
         self._received = []
+        checked = time.perf_counter()
+        if loaded:
+            self._runtime_check().finish()
+        self.last_check_s = time.perf_counter() - checked
         self.last_load_s = time.perf_counter() - started
 
     def committed(self) -> None:

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
 from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name, in_thread
-from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.endpoint import EngineEndpoint, EngineStatus
 from refit_nccl.geometry import DEFAULT_GEOMETRY
@@ -111,7 +111,12 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         self._staging_lock = threading.Lock()
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
-        """Declare a packing geometry and the staging mode (leaves any current group)."""
+        """Declare a packing geometry and the staging mode (leaves any current group); the
+        first call also builds the runtime check of the model.
+
+        Raises:
+            RefitError: refit cannot keep this model exact (the parameter named).
+        """
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
         self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
@@ -120,6 +125,8 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
         self.loading.abandon()
         self.loading.staged = init_info.staged
+        if self.loading.check is None:
+            self.loading.check = runtime_check(self)
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)
 
     def start_weight_update(self) -> None:
