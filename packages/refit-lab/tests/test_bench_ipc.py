@@ -6,10 +6,11 @@ import pytest
 
 from refit_lab.bench import ipc
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 from refit_lab.bench.references import MiB
 from refit_lab.bench.relay import engine_config, state_bytes
 
-TINY = ipc.Sizes(state_bytes=4 * MiB, buffer_bytes=MiB, repeats=1, hidden=128)
+TINY = ipc.Sizes(state_bytes=4 * MiB, buffer_bytes=MiB, repeats=2, hidden=128)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +30,7 @@ def test_states_have_the_promised_sizes() -> None:
 def test_refits_into_a_child_engine_bitexact_and_reports_the_ratio() -> None:
     report = ipc.measure(BenchContext(quick=True, threads=1), TINY)
     assert report.summary["bitexact"] is True
-    assert report.summary["ipc_fraction_of_memcpy"] > 0
-    assert report.summary["ipc_fraction_of_memcpy_reference_gbps"] > 0
     assert [r["case"] for r in report.results] == ["memcpy", "ipc"]
+    ipc_vs_memcpy = Ratio(Side("gbps", {"case": "ipc"}), Side("gbps", {"case": "memcpy"}))
+    check_summary_ratios(report, {"ipc_fraction_of_memcpy": ipc_vs_memcpy})
     assert report.to_json()["bench"] == "ipc"

@@ -8,10 +8,41 @@ import pytest
 import torch
 
 from refit_lab.bench import relay
-from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.harness import BENCHES, BenchContext, BenchReport, load_bench
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 
 MiB = 1 << 20
-TINY = relay.Sizes(dense_bytes=4 * MiB, tree_bytes=4 * MiB, repeats=1, receivers=(1, 2), hidden=128)
+TINY = relay.Sizes(dense_bytes=4 * MiB, tree_bytes=4 * MiB, repeats=2, receivers=(1, 2), hidden=128)
+
+
+def _dense(case: str, **where: object) -> Side:
+    return Side("gbps_dense", {"case": case, **where})
+
+
+def _seconds(case: str, receivers: int) -> Side:
+    return Side("seconds", {"case": case, "receivers": receivers})
+
+
+LOOPBACK_RATIOS = {
+    "transport_efficiency_vs_raw_zmq": Ratio(_dense("loopback_dense"), _dense("loopback_raw_zmq")),
+}
+SHAPED_RATIOS = {
+    "shaped_sparse_speedup_vs_dense": Ratio(
+        _dense("shaped_sparse_1pct"), _dense("shaped_raw_dense")
+    ),
+    "shaped_tree1_vs_star1": Ratio(
+        _dense("shaped_tree_dense", receivers=1),
+        _dense("shaped_star_dense", receivers=1),
+        time=True,
+    ),
+    "shaped_tree_time_ratio_2_vs_1": Ratio(
+        _seconds("shaped_tree_dense", 2), _seconds("shaped_tree_dense", 1)
+    ),
+    "shaped_star_time_ratio_2_vs_1": Ratio(
+        _seconds("shaped_star_dense", 2), _seconds("shaped_star_dense", 1)
+    ),
+}
+"""Each summary ratio: the rows it compares, subject first."""
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,8 +72,11 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
     report = relay.measure(BenchContext(quick=True, threads=1), TINY, shaped_links=False)
     summary = report.summary
     assert summary["all_receivers_bitexact"] is True and summary["shaped_measured"] is False
-    assert summary["transport_efficiency_vs_raw_zmq"] > 0
-    assert summary["transport_efficiency_vs_raw_zmq_reference_gbps"] > 0
+    check_summary_ratios(
+        report,
+        LOOPBACK_RATIOS,
+        other_keys={"transport_efficiency_cpu_bound", "loopback_sparse_1pct_gbps_dense"},
+    )
     assert 0 < float(summary["transport_efficiency_cpu_bound"]) <= 1
     cases = [r["case"] for r in report.results]
     assert cases == [
@@ -67,14 +101,9 @@ def _leftovers(tag: str) -> str:
 def test_shaped_cases_run_on_namespaces_and_clean_up() -> None:
     rows, summary = relay.shaped(BenchContext(quick=True, threads=1), TINY)
     assert summary["shaped_bitexact"] is True
-    assert set(summary) >= {
-        "shaped_sparse_speedup_vs_dense",
-        "shaped_tree1_vs_star1",
-        "shaped_tree_time_ratio_2_vs_1",
-        "shaped_star_time_ratio_2_vs_1",
-    }
+    report = BenchReport(bench="relay", quick=True, machine={}, results=rows, summary=summary)
+    check_summary_ratios(report, SHAPED_RATIOS)
     star = next(r for r in rows if r["case"] == "shaped_star_dense" and r["receivers"] == 2)
     veth = star["veth_bytes_tree_and_star"]
     assert isinstance(veth, list) and veth[0]["sent"] >= 3 * TINY.tree_bytes
-    assert summary["shaped_sparse_speedup_vs_dense_reference_gbps"] > 0
     assert _leftovers(relay.ShapedLan(1).bridge[:-2]) == ""

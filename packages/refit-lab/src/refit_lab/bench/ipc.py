@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from refit_core.sources import StateDictSource
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.references import Memcpy, MiB
 from refit_lab.bench.relay import engine_config, state_bytes
 from refit_lab.bench.runtime import ChildGroup, Deadline, torch_threads
@@ -114,14 +120,16 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
             moved = result.dense_bytes
         (digests,) = child.results()
     exact = digests == state_digest(state.items())
-    paired = PairedRatio.of(ipc_s, memcpy_s, moved, reference_nbytes=total)
+    paired = PairedRatio.of(
+        subject_s=ipc_s, reference_s=memcpy_s, nbytes=moved, reference_nbytes=total
+    )
     ctx.progress("ipc done", 1.0)
     results: list[dict[str, object]] = [
-        {"case": "memcpy", "nbytes": total, "gbps": paired.reference_gbps},
+        {"case": "memcpy", "nbytes": total, **rate_fields("gbps", paired.reference_rounds_gbps)},
         {
             "case": "ipc",
-            "nbytes": total,
-            "gbps": paired.subject_gbps,
+            "nbytes": moved,
+            **rate_fields("gbps", paired.subject_rounds_gbps),
             "buffer_bytes": sizes.buffer_bytes,
             "tensors": len(state),
         },

@@ -54,7 +54,14 @@ from refit_core import WeightVersion
 from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_lab.bench.deltas import Trajectory, calibrate_lr
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    gbps,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.raw_zmq import LoopbackStream, ZmqStreamSender, summarize, zmq_receiver
 from refit_lab.bench.references import MiB
 from refit_lab.bench.runtime import ChildGroup, Deadline
@@ -508,18 +515,22 @@ def produce(
 
 
 def _median_rows(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """One result row from the timed repeats of a case (median seconds)."""
+    """One result row from the timed repeats of a case (median seconds, the dense bytes'
+    rate in each round and its median)."""
     seconds = [float(r["seconds"]) for r in rows]
     row = {**rows[0], **extra, "seconds": statistics.median(seconds), "repeats": len(rows)}
     row.pop("reference_s", None)
-    row["gbps_dense"] = row["dense_bytes"] / row["seconds"] / 1e9
+    row.update(rate_fields("gbps_dense", [gbps(row["dense_bytes"], s) for s in seconds]))
     return row
 
 
 def _paired(rows: list[dict[str, Any]], nbytes: int) -> PairedRatio:
-    """The rows' refits (subject) against the reference rounds run right before each."""
+    """The rows' refits (subject, at ``nbytes``: the dense bytes they bring the receivers
+    to) against the raw rounds run right before each (the reference)."""
     return PairedRatio.of(
-        [float(r["reference_s"]) for r in rows], [float(r["seconds"]) for r in rows], nbytes
+        subject_s=[float(r["seconds"]) for r in rows],
+        reference_s=[float(r["reference_s"]) for r in rows],
+        nbytes=nbytes,
     )
 
 
@@ -562,8 +573,8 @@ def loopback(
     ours = _median_rows(timed_dense)
     sparse_row = _median_rows(rows[repeats + 1 :])
     raw = {"case": "loopback_raw_zmq", "dense_bytes": nbytes, "wire_bytes": nbytes}
-    raw.update(seconds=raw_stream.seconds, gbps_dense=raw_stream.gbps, cpu_s=raw_stream.cpu_s)
-    raw.update(repeats=repeats)
+    raw.update(seconds=raw_stream.seconds, cpu_s=raw_stream.cpu_s, repeats=repeats)
+    raw.update(rate_fields("gbps_dense", efficiency.reference_rounds_gbps))
     work = {"case": "loopback_receiver_extra", "dense_bytes": nbytes, "seconds": work_s}
     work.update(cpu_s=work_s, repeats=repeats)
     cores = len(os.sched_getaffinity(0))
@@ -660,7 +671,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 lan, 1, dense_config, steps, Producing(threads=ctx.threads), deadline, star
             )
         timed = produced["rows"][1:]
-        pairs["shaped_sparse_speedup_vs_dense"] = _paired(timed, dense_bytes)
+        sparse = pairs["shaped_sparse_speedup_vs_dense"] = _paired(timed, dense_bytes)
         raw_s = statistics.median(float(r["reference_s"]) for r in timed)
         rows.append(
             {
@@ -669,6 +680,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 "seconds": raw_s,
                 "dense_bytes": dense_bytes,
                 "wire_bytes": dense_bytes,
+                **rate_fields("gbps_dense", sparse.reference_rounds_gbps),
             }
         )
         rows.append(_median_rows(timed, receivers=1))
@@ -696,9 +708,8 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 )
             traffic = _traffic(lan, before, receivers)
             timed = produced["rows"][1:]
-            tree_s = [float(r["seconds"]) for r in timed]
             star_s = [float(r["reference_s"]) for r in timed]
-            pairs[f"tree_vs_star_{receivers}"] = PairedRatio.of(star_s, tree_s, tree_bytes)
+            tree = pairs[f"tree_vs_star_{receivers}"] = _paired(timed, tree_bytes)
             exact &= bool(produced["bitexact"])
             rows.append(_median_rows(timed, receivers=receivers, veth_bytes_tree_and_star=traffic))
             rows.append(
@@ -708,6 +719,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                     "seconds": statistics.median(star_s),
                     "dense_bytes": tree_bytes,
                     "wire_bytes": receivers * tree_bytes,
+                    **rate_fields("gbps_dense", tree.reference_rounds_gbps),
                     "veth_bytes_tree_and_star": traffic,
                 }
             )
@@ -745,11 +757,9 @@ def _shaped_summary(
         )
 
     most = max(int(r["receivers"]) for r in rows)
-    one = pairs["tree_vs_star_1"]
     return {
         **pairs["shaped_sparse_speedup_vs_dense"].summary("shaped_sparse_speedup_vs_dense"),
-        "shaped_tree1_vs_star1": one.ratio,
-        "shaped_tree1_vs_star1_reference_gbps": one.subject_gbps,
+        **pairs["tree_vs_star_1"].summary("shaped_tree1_vs_star1", time=True),
         f"shaped_tree_time_ratio_{most}_vs_1": seconds("shaped_tree_dense", most)
         / seconds("shaped_tree_dense", 1),
         f"shaped_star_time_ratio_{most}_vs_1": seconds("shaped_star_dense", most)
