@@ -1,7 +1,7 @@
 """A module whose kernel stays on the old weights: how the engine tier shows that a refit whose
 load leaves what a kernel computes with on the previous version fails, typed, with the engine
 closed (vLLM's own reload leaves a tied output layer so; refit now processes it again, so the
-fault is injected: one linear keeps its old CPU kernel whenever vLLM processes it)."""
+fault is injected: one linear keeps its old CPU kernel whenever it is processed)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,25 @@ STALE_MODULE = "model.layers.0.mlp.down_proj"
 
 
 def _keep_kernel(worker: Any, module_name: str, keep: bool) -> None:
-    """In a vLLM worker: from now on (``keep``), processing ``module_name`` again leaves it on
-    the kernel it had; or back to vLLM's own processing."""
+    """In a vLLM worker: from now on (``keep``), ``module_name`` keeps the kernel it has
+    whatever processes it (its class gains a ``cpu_linear`` that ignores new kernels); or back
+    to its own class, on the kernel it kept until it is processed again."""
     module = worker.get_model().get_submodule(module_name)
-    method = module.quant_method
+    kernel = module.cpu_linear
     if not keep:
-        del method.process_weights_after_loading
+        module.__class__ = module.refit_test_class
+        module.cpu_linear = kernel
         return
-    process = type(method).process_weights_after_loading
-
-    def keeping(layer: Any) -> None:
-        kernel = getattr(layer, "cpu_linear", None)
-        process(method, layer)
-        if layer is module:
-            layer.cpu_linear = kernel
-
-    method.process_weights_after_loading = keeping
+    original = type(module)
+    del module.cpu_linear
+    module.__class__ = type(
+        f"Stale{original.__name__}",
+        (original,),
+        {
+            "cpu_linear": property(lambda _: kernel, lambda _, new: None),
+            "refit_test_class": original,
+        },
+    )
 
 
 @contextmanager

@@ -15,9 +15,10 @@ copied into the kernel tensors. A layer loaded in part cannot be undone, so:
   stay closed (:class:`~refit_core.vllm.VllmGate`) until a later complete refit.
 
 Every load ends with the worker's :class:`~refit_core.vllm.runtime_check.RuntimeCheck`: the
-modules vLLM's reload leaves stale (a tied ``lm_head``) are processed again, and what the
-kernels read is checked against the refit's tensors; a load that leaves any of it on other
-values raises :class:`~refit_core.errors.VerificationError` (the model stays :attr:`partial`).
+modules vLLM's reload leaves stale (a tied ``lm_head``) are processed again, every parameter the
+load wrote is checked whole against the refit's tensors (digests) and what the kernels read at
+probed positions; a load that leaves any of it on other values raises
+:class:`~refit_core.errors.VerificationError` (the model stays :attr:`partial`).
 
 Only a vLLM worker imports this module (it imports torch and vLLM).
 """

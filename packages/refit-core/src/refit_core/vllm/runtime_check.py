@@ -14,74 +14,106 @@ Failed to load weights``) and the engine keeps the old output layer.
   are processed again once that parameter was written, as a fresh load processes them; a
   derived module whose processing cannot be run twice is refused when the check is built,
   naming its parameter;
-- **verification**: every runtime parameter the load wrote is read as the kernels read it (the
-  parameter itself where it holds its elements, and every CPU kernel handle built from it,
-  through one-hot probes that return weight columns bit for bit) at sampled positions (every
-  row of a few random columns; every element of a vector) and compared bit for bit with what the
-  model's loader makes of the target's checkpoint tensors there (the write map,
-  :mod:`refit_core.vllm.write_map`, recorded from that loader). A parameter left on the old
-  version fails the refit (:class:`~refit_core.errors.VerificationError`).
+- **digests of every parameter the load writes**: each checkpoint tensor of the target, as the
+  load receives it, is digested box by box where the model's loader puts it (the write map,
+  :mod:`refit_core.vllm.write_map`, recorded from that loader: a fresh load's layout), and the
+  same boxes of the runtime parameter are digested once it is loaded (xxh3 of every element's
+  bits: about 0.1 s per GB each side). A parameter vLLM removes after building its kernel (the
+  CPU backend's linear weights) is digested as its module's processing starts, from the weight
+  the kernel is then built from; one whose module was not processed in the load fails, since
+  its kernel keeps the weights it was built from;
+- **the kernels**: every CPU kernel handle built from a written parameter is read through
+  one-hot probes (each output one weight times one, exact in any precision) at every row of a
+  few random columns and compared bit for bit with the target there. A kernel is built from its
+  whole parameter, so one left on another version differs in nearly every column (a 1 % delta:
+  about one element in a hundred of each).
 
-Only a vLLM worker uses this module (it imports torch).
+A parameter left on the old version, wholly or in part, fails the refit
+(:class:`~refit_core.errors.VerificationError`).
+
+Only a vLLM worker uses this module (it imports torch and xxhash, which the receivers'
+packages bring).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from refit_core.errors import RefitError, VerificationError
 from refit_core.vllm.write_map import Fill, Piece, WriteMap, int_view
 
-__all__ = ["COLUMNS", "RuntimeCheck"]
+__all__ = ["COLUMNS", "RuntimeCheck", "bits_digest"]
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = 4
-"""Columns sampled per matrix at each load (every row of each): a weight left on another
-version differs in nearly every column, and a 1 % delta changes about one element in a hundred
-of each, so a few columns of hundreds of rows find it."""
+"""Columns of each kernel probed at each load (every row of each)."""
 
 _REPROCESSABLE = frozenset({"UnquantizedEmbeddingMethod"})
 """Quantization methods whose processing only builds a kernel from the weight it keeps, so it
 can run again on the loaded parameter (vLLM's unquantized embedding and LM head)."""
 
 
+def bits_digest(tensor: torch.Tensor) -> int:
+    """xxh3-64 of ``tensor``'s element bits in row-major order (a strided view, or one off
+    the host, is copied to a contiguous host tensor first)."""
+    bits = int_view(tensor.detach()).contiguous().reshape(-1).cpu()
+    return int(xxhash.xxh3_64_intdigest(bits.numpy().view("u1").data))
+
+
 @dataclass(frozen=True)
 class _Param:
     """One runtime parameter a checkpoint writes: the names the model knows it by, its loaded
-    shape, the copies and fills that write it, the modules whose CPU kernels read it as their
-    ``weight`` and the derived modules processed again once it is written."""
+    shape, the dtype it holds, the copies and fills that write it, the modules whose CPU
+    kernels read it as their ``weight``, the derived modules processed again once it is
+    written, and whether vLLM removes it once its kernel is built."""
 
     names: tuple[str, ...]
     shape: tuple[int, ...]
+    dtype: torch.dtype
     pieces: tuple[Piece, ...]
     fills: tuple[Fill, ...]
     kernels: tuple[str, ...]
     derived: tuple[str, ...]
+    removed: bool
+
+    def held(self, tensor: torch.Tensor) -> tuple[list[int], bool]:
+        """Digests of the boxes the pieces write in ``tensor`` (this parameter, loaded), and
+        whether its padding holds the fills."""
+        flat = tensor.detach().reshape(-1)
+        digests = [bits_digest(p.target_view(flat).to(self.dtype)) for p in self.pieces]
+        return digests, all(fill.holds(flat, self.shape) for fill in self.fills)
+
+
+@dataclass
+class _Probe:
+    """Sampled positions of a parameter (every row of a few columns) and the values the
+    target puts there, for its kernels' probes."""
+
+    index: list[torch.Tensor]
+    values: torch.Tensor
+    columns: torch.Tensor | None
 
 
 @dataclass
 class _Expected:
-    """The sampled positions of one parameter in this load and the values the target puts
-    there."""
+    """What one load's target puts in one parameter: the digest of each piece's box (by the
+    piece's position) and, for a parameter kernels read, the probed values."""
 
-    index: list[torch.Tensor]
-    flat: torch.Tensor
-    values: torch.Tensor
-    covered: torch.Tensor
-    columns: torch.Tensor | None
-    written: set[str] = field(default_factory=set)
+    digests: dict[int, int] = field(default_factory=dict)
+    probe: _Probe | None = None
 
 
 class RuntimeCheck:
-    """Around every load of one worker's model: derived modules processed again, and what its
-    kernels read checked against the target.
+    """Around every load of one worker's model: derived modules processed again, and every
+    parameter it writes and what its kernels read checked against the target.
 
     Args:
         model: the worker's model, loaded.
@@ -96,9 +128,11 @@ class RuntimeCheck:
     def __init__(self, model: torch.nn.Module, found: WriteMap) -> None:
         self._model = model
         self._params: dict[str, _Param] = {}
-        self._by_name: dict[str, list[tuple[str, Piece]]] = {}
+        self._by_name: dict[str, list[tuple[str, int, Piece]]] = {}
         self._loads = 0
+        self._loading = False
         self._expected: dict[str, _Expected] = {}
+        self._processed: dict[str, tuple[list[int], bool]] = {}
         pieces: dict[str, list[Piece]] = {}
         for group in (found.pieces, found.casts):
             for piece in (p for ps in group.values() for p in ps):
@@ -117,6 +151,9 @@ class RuntimeCheck:
                 refused.append(str(exc))
         if refused:
             raise RefitError(f"refit cannot keep this model exact: {'; '.join(refused)}")
+        for key, written_param in self._params.items():
+            if written_param.removed:
+                self._watch_processing(key)
 
     def _add(
         self,
@@ -145,8 +182,12 @@ class RuntimeCheck:
             and getattr(self._model.get_submodule(n.rpartition(".")[0]), "cpu_linear", None)
             is not None
         )
-        if self._param(key).numel() != math.prod(shape) and not kernels:
+        live = self._param(key)
+        removed = live.numel() != math.prod(shape)
+        if removed and not kernels:
             raise RefitError(f"{key}: vLLM removed it and no kernel reads it back")
+        if removed and getattr(self._owner(key), "quant_method", None) is None:
+            raise RefitError(f"{key}: vLLM removed it and no processing builds its kernel")
         derived = []
         for name in names:
             if name in written:
@@ -162,9 +203,30 @@ class RuntimeCheck:
                 )
             derived.append(module_name)
         fills = tuple(found.fills.get(key, []))
-        self._params[key] = _Param(names, shape, tuple(own), fills, kernels, tuple(derived))
-        for piece in own:
-            self._by_name.setdefault(piece.name, []).append((key, piece))
+        self._params[key] = _Param(
+            names, shape, live.dtype, tuple(own), fills, kernels, tuple(derived), removed
+        )
+        for position, piece in enumerate(own):
+            self._by_name.setdefault(piece.name, []).append((key, position, piece))
+
+    def _owner(self, key: str) -> Any:
+        return self._model.get_submodule(key.rpartition(".")[0])
+
+    def _watch_processing(self, key: str) -> None:
+        """Digest ``key`` (a parameter vLLM removes once its kernel is built) whenever its
+        module is processed during a load, before the processing removes it."""
+        module = self._owner(key)
+        method = module.quant_method
+        process: Callable[[Any], None] = method.process_weights_after_loading
+        attr = key.rpartition(".")[2]
+        param = self._params[key]
+
+        def processing(layer: Any) -> None:
+            if self._loading and layer is module:
+                self._processed[key] = param.held(getattr(layer, attr))
+            process(layer)
+
+        method.process_weights_after_loading = processing
 
     @property
     def derived(self) -> dict[str, tuple[str, ...]]:
@@ -177,43 +239,44 @@ class RuntimeCheck:
         return tensor
 
     def begin(self) -> None:
-        """A load starts: new sampled columns, nothing expected yet."""
+        """A load starts: new probed columns, nothing expected yet."""
         self._loads += 1
+        self._loading = True
         self._expected = {}
+        self._processed = {}
 
     def expect(self, name: str, tensor: torch.Tensor) -> None:
-        """Checkpoint tensor ``name`` of the target, as the load receives it: what it puts at
-        the sampled positions of every parameter it writes (``tensor`` may be reused once this
-        returns)."""
-        for key, piece in self._by_name.get(name, []):
+        """Checkpoint tensor ``name`` of the target, as the load receives it: the digest of
+        every box it puts in a parameter, and its values at the probed positions
+        (``tensor`` may be reused once this returns)."""
+        source = tensor.detach()
+        for key, position, piece in self._by_name.get(name, []):
             expected = self._expected.get(key) or self._open(key)
-            inside, values = piece.read_at(tensor.detach(), expected.index)
-            expected.values[inside] = values.to(expected.values.dtype)
-            expected.covered |= inside
-            expected.written.add(name)
+            dtype = self._params[key].dtype
+            expected.digests[position] = bits_digest(piece.source_view(source).to(dtype))
+            probe = expected.probe
+            if probe is not None:
+                inside, values = piece.read_at(source, probe.index)
+                probe.values[inside] = values.to(dtype)
 
     def _open(self, key: str) -> _Expected:
         param = self._params[key]
-        live = self._param(key)
+        expected = _Expected()
+        self._expected[key] = expected
+        if not param.kernels:
+            return expected
         shape = param.shape
         columns = None
         ranges = [torch.arange(n) for n in shape]
-        if len(shape) >= 2 and shape[-1] > COLUMNS:
+        if shape[-1] > COLUMNS:
             generator = torch.Generator().manual_seed(self._loads * 7919 + len(self._expected))
             columns = torch.randperm(shape[-1], generator=generator)[:COLUMNS].sort().values
             ranges[-1] = columns
         index = [t.reshape(-1) for t in torch.meshgrid(*ranges, indexing="ij")]
-        flat = torch.zeros(index[0].numel(), dtype=torch.int64)
-        for dim, positions in enumerate(index):
-            flat += positions * math.prod(shape[dim + 1 :])
-        values = torch.zeros(index[0].numel(), dtype=live.dtype)
-        covered = torch.zeros(index[0].numel(), dtype=torch.bool)
+        values = torch.zeros(index[0].numel(), dtype=param.dtype)
         for fill in param.fills:
-            inside = fill.dst.contains(index)
-            values[inside] = fill.value
-            covered |= inside
-        expected = _Expected(index, flat, values, covered, columns)
-        self._expected[key] = expected
+            values[fill.dst.contains(index)] = fill.value
+        expected.probe = _Probe(index, values, columns)
         return expected
 
     def written(self) -> set[str]:
@@ -222,12 +285,13 @@ class RuntimeCheck:
 
     def finish(self) -> None:
         """The load is complete: process the derived modules of every parameter it wrote
-        again, then check what the kernels read.
+        again, then check every parameter it wrote and what the kernels read.
 
         Raises:
-            VerificationError: a parameter the load wrote is read by the model or one of its
-                kernels as other values than the target's (naming them).
+            VerificationError: a parameter the load wrote holds, or is read by one of its
+                kernels as, other values than the target's (naming them).
         """
+        self._loading = False
         for key in self._expected:
             for module_name in self._params[key].derived:
                 module: Any = self._model.get_submodule(module_name)
@@ -236,6 +300,7 @@ class RuntimeCheck:
         checked = len(self._expected)
         failures = [f for key, e in self._expected.items() for f in self._differences(key, e)]
         self._expected = {}
+        self._processed = {}
         if failures:
             raise VerificationError(
                 f"{len(failures)} runtime parameters differ from the target after loading "
@@ -247,19 +312,33 @@ class RuntimeCheck:
 
     def _differences(self, key: str, expected: _Expected) -> Iterable[str]:
         param = self._params[key]
-        if not bool(expected.covered.all()):
-            covered, sampled = int(expected.covered.sum()), expected.covered.numel()
-            yield f"{key}: the load wrote {covered} of {sampled} sampled elements"
+        missing = {p.name for i, p in enumerate(param.pieces) if i not in expected.digests}
+        if missing:
+            yield f"{key}: the load never received {', '.join(sorted(missing))}"
             return
-        want = int_view(expected.values)
-        live = self._param(key).detach()
-        if live.numel() == math.prod(param.shape):
-            got = live.reshape(-1)[expected.flat.to(live.device)].cpu()
-            if not torch.equal(int_view(got.to(expected.values.dtype)), want):
-                yield f"{key}: the parameter holds other values"
+        if param.removed:
+            held = self._processed.get(key)
+            if held is None:
+                yield (
+                    f"{key}: vLLM did not process {key.rpartition('.')[0]} in this load (its "
+                    f"kernel keeps the weights it was built from)"
+                )
+                return
+        else:
+            held = param.held(self._param(key))
+        digests, fills_hold = held
+        if not fills_hold:
+            yield f"{key}: its padding holds other values"
+        wrong = {p.name for i, p in enumerate(param.pieces) if digests[i] != expected.digests[i]}
+        if wrong:
+            yield f"{key}: the parameter holds other values than {', '.join(sorted(wrong))}"
+        probe = expected.probe
+        if probe is None:
+            return
+        want = int_view(probe.values)
         for module_name in param.kernels:
-            got = self._probe(module_name, param.shape, expected.columns)
-            if not torch.equal(int_view(got.reshape(-1).to(expected.values.dtype)), want):
+            got = self._probe(module_name, param.shape, probe.columns)
+            if not torch.equal(int_view(got.reshape(-1).to(param.dtype)), want):
                 yield f"{module_name}: its kernel reads other weights than {key}"
 
     def _probe(

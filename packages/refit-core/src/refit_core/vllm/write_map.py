@@ -158,16 +158,23 @@ class Piece:
         return tuple(strides[p] for p in self.dst_dims)
 
     def source_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The box of the (contiguous) checkpoint tensor this piece copies."""
+        """The box of the (contiguous) checkpoint tensor this piece copies (a view of it, at
+        any storage offset)."""
         strides = _contiguous_strides(self.shape)
         offset = sum(s * c for s, c in zip(self.src.start, strides, strict=True))
-        return tensor.reshape(-1).as_strided(
-            self._view_sizes(), tuple(strides[j] for j in self.src_dims), offset
+        flat = tensor.reshape(-1)
+        return flat.as_strided(
+            self._view_sizes(),
+            tuple(strides[j] for j in self.src_dims),
+            flat.storage_offset() + offset,
         )
 
     def target_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The box of the parameter (as its flat storage ``flat``) this piece writes."""
-        return flat.as_strided(self._view_sizes(), self._dst_strides(), self._dst_offset())
+        """The box of the parameter (as its flat contiguous view ``flat``) this piece
+        writes."""
+        return flat.as_strided(
+            self._view_sizes(), self._dst_strides(), flat.storage_offset() + self._dst_offset()
+        )
 
     def select(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Of row-major checkpoint indices (int64), which fall in this piece (a mask) and
@@ -223,6 +230,11 @@ class Fill:
     param: str
     dst: _Box
     value: float
+
+    def holds(self, flat: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether the parameter of ``shape`` (as its flat storage ``flat``) holds the constant
+        in the box."""
+        return bool((_box_view(flat, shape, self.dst) == self.value).all())
 
 
 @dataclass
@@ -286,7 +298,7 @@ class WriteMap:
         for param, tensor in params.items():
             flat = tensor.detach().view(-1)
             for fill in self.fills.get(param, []):
-                if not bool((_box_view(flat, tuple(tensor.shape), fill.dst) == fill.value).all()):
+                if not fill.holds(flat, tuple(tensor.shape)):
                     failed[param] = f"padding holds other values than {fill.value}"
         for name, checkpoint in weights:
             for piece in self.pieces.get(name, []):
@@ -302,7 +314,7 @@ class WriteMap:
 def _box_view(flat: torch.Tensor, shape: tuple[int, ...], box: _Box) -> torch.Tensor:
     strides = _contiguous_strides(shape)
     offset = sum(s * c for s, c in zip(box.start, strides, strict=True))
-    return flat.as_strided(box.length, strides, offset)
+    return flat.as_strided(box.length, strides, flat.storage_offset() + offset)
 
 
 def _round_trip(piece: Piece, tensor: torch.Tensor, flat: torch.Tensor) -> str | None:
