@@ -5,10 +5,11 @@ reach a running model only through its layerwise reload: the layers go back to c
 shapes, each layer is loaded and processed once all of its tensors arrived, and the result is
 copied into the kernel tensors. A layer loaded in part cannot be undone, so:
 
-- **staged** (default): every tensor is copied to host memory as it arrives and nothing touches
-  the model until the refit is complete; then one reload session loads them all. A refit that
-  fails before then leaves the model exactly as it was. Memory: one host copy of the
-  checkpoint tensors this worker receives (buffers kept for the next refit).
+- **staged** (default): every tensor is copied to host memory as it arrives (or kept where the
+  receiver received it, when that memory stays valid until the refit completes) and nothing
+  touches the model until the refit is complete; then one reload session loads them all. A
+  refit that fails before then leaves the model exactly as it was. Memory: one host copy of
+  the checkpoint tensors this worker receives (buffers kept for the next refit).
 - **streamed**: each bucket goes into the reload session as it arrives. No extra memory
   beyond a layer's tensors, but from the first bucket until the refit completes the model
   holds weights of no single version (:attr:`CheckpointLoading.partial`), so the engine must
@@ -95,6 +96,7 @@ class CheckpointLoading:
         self.last_check_s: float | None = None
         """How long the runtime check of the last load took (part of :attr:`last_load_s`)."""
         self._host: dict[str, torch.Tensor] = {}
+        self._borrowed: dict[str, torch.Tensor] = {}
         self._received: list[str] = []
         self._reloading = False
 
@@ -106,6 +108,7 @@ class CheckpointLoading:
     def begin(self) -> None:
         """Start a refit: forget what an unfinished one received."""
         self._received = []
+        self._borrowed = {}
         self._runtime_check().begin()
 
     def _runtime_check(self) -> RuntimeCheck:
@@ -115,12 +118,18 @@ class CheckpointLoading:
 
     def take(self, weights: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> None:
         """One bucket's tensors, valid only during this call (``copy``) or until the refit
-        completes."""
+        completes (staged, they are then kept as they are: host memory the caller lends, no
+        copy)."""
         check = self._runtime_check()
         if self.staged:
             for name, tensor in weights:
                 check.expect(name, tensor)
-                self._stage(name, tensor)
+                if copy:
+                    self._stage(name, tensor)
+                else:
+                    self._host.pop(name, None)
+                    self._borrowed[name] = tensor
+                self._received.append(name)
             return
         if not self._reloading:
             initialize_layerwise_reload(self._holder.model)
@@ -139,7 +148,6 @@ class CheckpointLoading:
             held = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             self._host[name] = held
         held.copy_(tensor)
-        self._received.append(name)
 
     def complete(self) -> None:
         """The refit is complete: load what was staged (staged) or finish the reload session
@@ -157,13 +165,15 @@ class CheckpointLoading:
             self._reloading = loaded = True
             self.partial = True
             try:
-                self._holder.model.load_weights([(n, self._host[n]) for n in self._received])
+                staged = {**self._host, **self._borrowed}
+                self._holder.model.load_weights([(n, staged[n]) for n in self._received])
             finally:
                 self._finish()
             logger.info("loaded %d staged tensors", len(self._received))
         else:
             self._finish()
         self._received = []
+        self._borrowed = {}
         checked = time.perf_counter()
         if loaded:
             self._runtime_check().finish()
@@ -178,6 +188,7 @@ class CheckpointLoading:
         """The refit failed: drop what was staged (the model is untouched), or end the reload
         session (the model stays :attr:`partial` if anything was loaded)."""
         self._received = []
+        self._borrowed = {}
         self._finish()
 
     def _finish(self) -> None:

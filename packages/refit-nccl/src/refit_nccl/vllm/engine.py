@@ -8,7 +8,8 @@ worker's model. Each rank joins the refit group as a rank of its own and receive
 checkpoint tensor whole; vLLM's loader keeps the rank's slice.
 
 Buckets reach the model through :class:`~refit_core.vllm.loading.CheckpointLoading`: staged
-(default) in host memory and loaded at the commit, so a transfer that fails leaves the model
+(default) in host memory (on a host group every bucket is received straight into the one host
+copy, laid out by the plan) and loaded at the commit, so a transfer that fails leaves the model
 untouched, or streamed into vLLM's layerwise reload as they arrive, so a transfer that fails
 after its first bucket leaves the model partial (the controller keeps such an engine closed).
 Every call that writes the model runs inside vLLM's own update session
@@ -72,7 +73,8 @@ class _WorkerModel:
         self.weight_version = 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        self._receiver.loading.take(weights)
+        receiver = self._receiver
+        receiver.loading.take(weights, copy=not receiver.endpoint.receives_in_place)
         return None
 
     def reset_prefix_cache(self) -> None:
@@ -122,7 +124,12 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         self.endpoint.refit_abort("geometry changed")
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
-        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
+        self.endpoint = EngineEndpoint(
+            lambda: _WorkerModel(self),
+            geometry,
+            can_stage=False,
+            keeps_received=init_info.staged,
+        )
         self.loading.abandon()
         self.loading.staged = init_info.staged
         if self.loading.check is None:
