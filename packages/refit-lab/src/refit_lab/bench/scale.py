@@ -27,7 +27,8 @@ refit above its memory before the synchronizer was built (``trainer_peak_extra_b
 trainer holds its states, so only what refit adds counts). On the vLLM rows every relay runs in
 an engine worker, so the relay's memory is the worker's.
 
-Summary (the large model unless named), checked against the rows by the bench's test
+Summary (the large model, the last measured, unless named), checked against the rows by the
+bench's test
 (:mod:`refit_lab.bench.ratio_check`): ``{row}_dense_over_disk_reload`` and
 ``{row}_delta_over_disk_reload`` (medians over refits of the refit's seconds over the disk
 reload's in the same round), ``{row}_dense_over_disk_write_and_reload`` (over the checkpoint's
@@ -81,9 +82,10 @@ REFIT_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Sizes:
-    """The two models (small, large) and the dense rounds per row."""
+    """The models (the subject of the summary last: small then large, or one alone) and the
+    dense rounds per row."""
 
-    models: tuple[ModelShape, ModelShape]
+    models: tuple[ModelShape, ...]
     rounds: int
 
 
@@ -315,23 +317,28 @@ def _median_over(rows: Sequence[Mapping[str, Any]], field: str, reference: str) 
     return statistics.median(float(r[field]) / float(r[reference]) for r in rows)
 
 
-def summarize(rows: Sequence[Mapping[str, Any]], exact: bool) -> dict[str, float | bool]:
-    """The summary of a run's refit rows (see the module docstring)."""
+def summarize(
+    rows: Sequence[Mapping[str, Any]], exact: bool, models: Sequence[str]
+) -> dict[str, float | bool]:
+    """The summary of a run's refit rows (see the module docstring): of the last of
+    ``models``, its cost growth over the first when there are two."""
+    subject = models[-1]
     summary: dict[str, float | bool] = {"exact": exact and all(bool(r["exact"]) for r in rows)}
     for row in ROWS:
-        dense = _pick(rows, "large", row, "dense")
+        dense = _pick(rows, subject, row, "dense")
         summary[f"{row}_dense_over_disk_reload"] = _median_over(dense, "seconds", "disk_reload_s")
         summary[f"{row}_dense_over_disk_write_and_reload"] = _median_over(
             dense, "seconds", "disk_write_and_reload_s"
         )
         summary[f"{row}_delta_over_disk_reload"] = _median_over(
-            _pick(rows, "large", row, "delta"), "seconds", "disk_reload_s"
+            _pick(rows, subject, row, "delta"), "seconds", "disk_reload_s"
         )
-        summary[f"{row}_large_over_small_per_byte"] = statistics.median(
-            float(large["seconds_per_byte"]) / float(small["seconds_per_byte"])
-            for large, small in zip(dense, _pick(rows, "small", row, "dense"), strict=True)
-        )
-        every = _pick(rows, "large", row)
+        if len(models) > 1:
+            summary[f"{row}_large_over_small_per_byte"] = statistics.median(
+                float(large["seconds_per_byte"]) / float(small["seconds_per_byte"])
+                for large, small in zip(dense, _pick(rows, models[0], row, "dense"), strict=True)
+            )
+        every = _pick(rows, subject, row)
         for what in ("kept", "peak"):
             summary[f"{row}_engine_extra_memory_{what}_over_model"] = max(
                 int(r[f"engine_{what}_extra_bytes"]) / int(r["model_bytes"]) for r in every
@@ -339,16 +346,16 @@ def summarize(rows: Sequence[Mapping[str, Any]], exact: bool) -> dict[str, float
         summary[f"{row}_trainer_extra_memory_over_model"] = max(
             int(r["trainer_peak_extra_bytes"]) / int(r["model_bytes"]) for r in every
         )
-    deltas = [float(r["seconds"]) for r in _pick(rows, "large", "zmq_sparse", "delta")]
+    deltas = [float(r["seconds"]) for r in _pick(rows, subject, "zmq_sparse", "delta")]
     summary["zmq_sparse_first_delta_extra_s"] = deltas[0] - statistics.median(deltas[1:])
-    large = [r for r in rows if r["model"] == "large"]
-    summary["disk_reload_s"] = statistics.median(float(r["disk_reload_s"]) for r in large)
-    summary["disk_write_s"] = statistics.median(float(r["disk_write_s"]) for r in large)
+    measured = [r for r in rows if r["model"] == subject]
+    summary["disk_reload_s"] = statistics.median(float(r["disk_reload_s"]) for r in measured)
+    summary["disk_write_s"] = statistics.median(float(r["disk_write_s"]) for r in measured)
     return summary
 
 
 def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
-    """Run the bench: both models, every row, ``sizes.rounds`` dense rounds each."""
+    """Run the bench: every model of ``sizes``, every row, ``sizes.rounds`` dense rounds each."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -362,10 +369,11 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
     exact = True
     try:
         for index, shape in enumerate(sizes.models):
-            ctx.progress(f"{shape.name}: states, checkpoints, fresh engines", index / 2)
+            count = len(sizes.models)
+            ctx.progress(f"{shape.name}: states, checkpoints, fresh engines", index / count)
             model = _prepare(shape, folder / shape.name)
             for step, row in enumerate(ROWS):
-                ctx.progress(f"{shape.name}: {row}", (index + (step + 1) / 4) / 2)
+                ctx.progress(f"{shape.name}: {row}", (index + (step + 1) / 4) / count)
                 run = _row(model, row, sizes.rounds)
                 rows.extend(run.rows)
                 exact &= run.exact
@@ -379,7 +387,7 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
         quick=ctx.quick,
         machine=machine_info(),
         results=rows,
-        summary=summarize(rows, exact),
+        summary=summarize(rows, exact, [shape.name for shape in sizes.models]),
     )
 
 
