@@ -7,7 +7,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 from refit_core.deadline import Deadline
@@ -99,7 +99,9 @@ class WeightSynchronizer(ABC):
             self._adopt_fleet_version(deadline)
 
     def sync_weights(self, version: int | None = None) -> RefitResult:
-        """Run one refit to ``version`` (default: one above :attr:`high_water_mark`).
+        """Run one refit to ``version`` (default: one above :attr:`high_water_mark`). Its
+        ``total_s`` is the whole call, and ``timings_s["connect"]`` the part spent setting up
+        the communicator (a new synchronizer's first refit) before the backend's phases.
 
         Raises:
             ValueError: ``version`` is not above :attr:`high_water_mark` (it was used).
@@ -107,6 +109,7 @@ class WeightSynchronizer(ABC):
             RefitError: any other failure, with the backend's error as its cause.
         """
         with self._lock:
+            called = time.monotonic()
             self._require_open()
             self._require_nothing_staged()
             self.init_communicator()  # first: a new synchronizer adopts the fleet's version
@@ -124,11 +127,17 @@ class WeightSynchronizer(ABC):
                     f"backend reported version {result.version}, expected {target.value}"
                 )
             self._version = target
+            # The whole call: the communicator set up (a new synchronizer's first refit) too.
+            result = replace(
+                result,
+                timings_s={**result.timings_s, "connect": started - called},
+                total_s=time.monotonic() - called,
+            )
             logger.info(
                 "%s: version %d in %.3f s (%d wire bytes of %d dense)",
                 type(self).__name__,
                 target.value,
-                time.monotonic() - started,
+                result.total_s,
                 result.wire_bytes,
                 result.dense_bytes,
             )

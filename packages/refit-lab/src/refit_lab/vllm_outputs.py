@@ -17,13 +17,21 @@ def greedy_outputs(
     llm: Any, prompts: Sequence[Sequence[int]], new_tokens: int
 ) -> tuple[Outputs, list[int]]:
     """Greedy continuations of ``prompts`` (token ids) with their logprobs, and how many
-    prompt tokens the prefix cache served for each."""
+    prompt tokens the prefix cache served for each.
+
+    Each prompt is generated alone: vLLM's CPU kernels compute a row of a batch slightly
+    differently depending on where it sits, and a request's place in the batch changes from
+    call to call, so batched outputs of one engine on the same weights differed between calls
+    (logprobs by about 1e-4), while one request at a time they are the same every time.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, detokenize=False)
-    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-    results = llm.generate(requests, params, use_tqdm=False)
+    results = [
+        llm.generate([TokensPrompt(prompt_token_ids=list(p))], params, use_tqdm=False)[0]
+        for p in prompts
+    ]
     outputs: Outputs = []
     for result in results:
         completion = result.outputs[0]

@@ -289,6 +289,10 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             weights its own way, as vLLM's layerwise reload, says False).
         versions: the versions it starts from, as ``(committed, began)`` (a receiver that
             replaces its endpoint keeps them; default: nothing yet, version 0).
+        keeps_received: the engine keeps what ``load_weights`` hands it until the transfer
+            ends (vLLM's staged receiver): on a host group every bucket is then received
+            straight into storage laid out by the plan (kept for the next transfer), so the
+            engine may keep those views without a copy (:attr:`receives_in_place`).
     """
 
     def __init__(
@@ -299,9 +303,12 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         *,
         can_stage: bool = True,
         versions: tuple[int, int] = (0, 0),
+        keeps_received: bool = False,
     ) -> None:
         super().__init__(device)
         self._can_stage = can_stage
+        self._keeps_received = keeps_received
+        self._in_place = False
         self._engine_factory = engine_factory
         self._engine: CollectiveEngine | None = None
         self._geometry = geometry
@@ -318,6 +325,20 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         if self._engine is None:
             self._engine = self._engine_factory()
         return self._engine
+
+    @property
+    def receives_in_place(self) -> bool:
+        """Whether the transfer running now receives into storage laid out by its plan: the
+        tensors ``load_weights`` is handed are views of it, valid until the next transfer."""
+        return self._in_place
+
+    def _plan_storage(self, plan: TransferPlan) -> PlanStorage:
+        """Host storage laid out by ``plan`` (the last one, if it was laid out by the same
+        plan)."""
+        if self._staged is None or self._staged.plan.digest != plan.digest:
+            self._staged = None  # the old copy is freed before the new one is allocated
+            self._staged = PlanStorage(plan, torch.device("cpu"))
+        return self._staged
 
     def refit_geometry(self) -> CollectiveSenderSpec:
         """The packing geometry this receiver declares."""
@@ -380,9 +401,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             group, plan = self._joined()
             self._staged_version = None
             self._began = max(self._began, version)
-            storage = self._staged
-            if storage is None or storage.plan.digest != plan.digest:
-                storage = self._staged = PlanStorage(plan, torch.device("cpu"))
+            storage = self._plan_storage(plan)
             deadline = _deadline(timeout_s, "staging")
             if group.device.type == "cpu":
                 stats = receive_packed(group, plan, lambda _: None, deadline, into=storage)
@@ -466,6 +485,9 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         engine = self.engine
         self._loaded = None
         self._began = max(self._began, version)
+        in_place = self._keeps_received and group.device.type == "cpu"
+        into = self._plan_storage(plan) if in_place else None
+        self._in_place = in_place
 
         def load(items: list[tuple[str, torch.Tensor]]) -> None:
             if not self._closed:
@@ -475,8 +497,10 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             engine.load_weights(items)
 
         try:
-            stats = receive_packed(group, plan, load, deadline, staging=self._staging)
+            stats = receive_packed(group, plan, load, deadline, staging=self._staging, into=into)
         except BaseException:
+            if into is not None:
+                self._staged = None  # calls it abandoned may still write it until they end
             if self._dirty:
                 notify(engine, "on_refit_abort", version, weights_changed=True)
             raise

@@ -52,6 +52,7 @@ BENCHES: dict[str, str] = {
     "codec": "refit_lab.bench.codec:run",
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",
+    "scale": "refit_lab.bench.scale:run",
     "sglang": "refit_lab.bench.sglang:run",
     "vllm": "refit_lab.bench.vllm:run",
 }

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -170,8 +170,14 @@ class IpcWeightSynchronizer(WeightSynchronizer):
                 raise
             failed = RefitError(f"refit to version {version} failed: {type(exc).__name__}: {exc}")
             raise with_engines(failed, reports) from exc
-        sessions.refit_finished(version, committed=True)
-        return result
+        loading = time.monotonic()
+        sessions.refit_finished(version, committed=True)  # the engines load the refit
+        done = time.monotonic()
+        return replace(
+            result,
+            timings_s={**result.timings_s, "load": done - loading},
+            total_s=result.total_s + done - loading,
+        )
 
     def _transfer(self, version: int, deadline: Deadline) -> RefitResult:
         links, pool = self._links, self._pool

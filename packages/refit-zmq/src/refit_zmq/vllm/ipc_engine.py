@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
 from refit_core.backend import checkpoint_specs, dtype_name
-from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
 from refit_zmq.ipc import IpcReceiver
 
 __all__ = ["IpcInitInfo", "IpcUpdateInfo", "VllmIpcReceiver"]
@@ -98,11 +98,18 @@ class VllmIpcReceiver(LoadingReceiver, WeightTransferEngine):  # type: ignore[mi
         """The version this session's refit committed (None: none yet)."""
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
-        """(Re)bind the control socket and set the staging mode; the versions carry over."""
+        """(Re)bind the control socket and set the staging mode; the versions carry over. The
+        first call also builds the runtime check of the model.
+
+        Raises:
+            RefitError: refit cannot keep this model exact (the parameter named).
+        """
         version, began = (0, 0) if self.receiver is None else self.versions
         self.shutdown()
         self.loading.abandon()
         self.loading.staged = init_info.staged
+        if self.loading.check is None:
+            self.loading.check = runtime_check(self)
         self.receiver = IpcReceiver(
             _WorkerModel(self), bind_address=init_info.bind_address, version=version, began=began
         )

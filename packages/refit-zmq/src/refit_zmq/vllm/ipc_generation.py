@@ -85,9 +85,12 @@ class VllmIpcGeneration:
 
         Raises:
             RefitError: after a failure always, with each engine's state (``engines``); after
-                a commit, naming the engines that could not load it.
+                a commit, naming the engines that could not load it (the first engine's error
+                chained: a :class:`~refit_core.VerificationError` where its load left the
+                model other than the refit).
         """
         failures: dict[str, str] = {}
+        first: Exception | None = None
         reports: list[EngineReport] = []
         sessions, self._sessions = self._sessions, []
         for engine, session in zip(self._engines, sessions, strict=True):
@@ -101,10 +104,11 @@ class VllmIpcGeneration:
             except Exception as exc:
                 logger.warning("%s: refit %d failed here: %s", engine.label, version, exc)
                 failures[engine.label] = f"{type(exc).__name__}: {exc}"
+                first = first or exc
                 reports.append(engine.settle(str(exc)))
         if failures or not committed:
             what = f"engines failed: {failures}" if failures else "aborted"
-            raise with_engines(RefitError(f"refit {version}: {what}"), reports)
+            raise with_engines(RefitError(f"refit {version}: {what}"), reports) from first
 
     def _load(self, engine: VllmEngine, version: int) -> None:
         engine.gate.close()

@@ -22,21 +22,35 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refit_zmq.codec.dtypes import int_view
-
-__all__ = ["Fill", "Piece", "WriteMap", "capture_write_map", "record_writes", "unravel"]
+__all__ = [
+    "Fill",
+    "Piece",
+    "WriteMap",
+    "capture_write_map",
+    "int_view",
+    "record_writes",
+    "unravel",
+]
 
 logger = logging.getLogger(__name__)
 
 _SAMPLE = 64
 """Elements per piece checked through :meth:`Piece.select` at verification."""
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bits as the integer dtype of the same width (no copy)."""
+    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -66,6 +80,13 @@ class _Box:
     @property
     def numel(self) -> int:
         return math.prod(self.length)
+
+    def contains(self, index: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Which of the positions ``index`` (one int64 tensor per dim) lie in the box."""
+        inside = torch.ones_like(index[0], dtype=torch.bool)
+        for t, start, length in zip(index, self.start, self.length, strict=True):
+            inside &= (t >= start) & (t < start + length)
+        return inside
 
     def overlaps(self, other: _Box) -> bool:
         return all(
@@ -137,28 +158,47 @@ class Piece:
         return tuple(strides[p] for p in self.dst_dims)
 
     def source_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The box of the (contiguous) checkpoint tensor this piece copies."""
+        """The box of the (contiguous) checkpoint tensor this piece copies (a view of it, at
+        any storage offset)."""
         strides = _contiguous_strides(self.shape)
         offset = sum(s * c for s, c in zip(self.src.start, strides, strict=True))
-        return tensor.reshape(-1).as_strided(
-            self._view_sizes(), tuple(strides[j] for j in self.src_dims), offset
+        flat = tensor.reshape(-1)
+        return flat.as_strided(
+            self._view_sizes(),
+            tuple(strides[j] for j in self.src_dims),
+            flat.storage_offset() + offset,
         )
 
     def target_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The box of the parameter (as its flat storage ``flat``) this piece writes."""
-        return flat.as_strided(self._view_sizes(), self._dst_strides(), self._dst_offset())
+        """The box of the parameter (as its flat contiguous view ``flat``) this piece
+        writes."""
+        return flat.as_strided(
+            self._view_sizes(), self._dst_strides(), flat.storage_offset() + self._dst_offset()
+        )
 
     def select(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Of row-major checkpoint indices (int64), which fall in this piece (a mask) and
         where those land in the parameter's flat storage."""
         index = unravel(indices, self.shape)
-        inside = torch.ones_like(indices, dtype=torch.bool)
-        for t, start, length in zip(index, self.src.start, self.src.length, strict=True):
-            inside &= (t >= start) & (t < start + length)
+        inside = self.src.contains(index)
         positions = torch.full((int(inside.sum()),), self._dst_offset(), dtype=torch.int64)
         for stride, dim in zip(self._dst_strides(), self.src_dims, strict=True):
             positions += (index[dim][inside] - self.src.start[dim]) * stride
         return inside, positions
+
+    def read_at(
+        self, tensor: torch.Tensor, index: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of parameter positions ``index`` (a multi-index: one int64 tensor per parameter dim),
+        which this piece writes (a mask), and the elements of checkpoint tensor ``tensor`` it
+        writes there."""
+        inside = self.dst.contains(index)
+        strides = _contiguous_strides(self.shape)
+        start = sum(s * c for s, c in zip(self.src.start, strides, strict=True))
+        flat = torch.full((int(inside.sum()),), start, dtype=torch.int64)
+        for src_dim, dst_dim in zip(self.src_dims, self.dst_dims, strict=True):
+            flat += (index[dst_dim][inside] - self.dst.start[dst_dim]) * strides[src_dim]
+        return inside, tensor.reshape(-1)[flat]
 
     def flat_range(self) -> tuple[int, int] | None:
         """``(source start, target start)`` when the piece copies a run of consecutive
@@ -191,6 +231,11 @@ class Fill:
     dst: _Box
     value: float
 
+    def holds(self, flat: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether the parameter of ``shape`` (as its flat storage ``flat``) holds the constant
+        in the box."""
+        return bool((_box_view(flat, shape, self.dst) == self.value).all())
+
 
 @dataclass
 class WriteMap:
@@ -199,6 +244,8 @@ class WriteMap:
     Attributes:
         pieces: checkpoint name -> its copies.
         fills: parameter -> constants written into it.
+        casts: checkpoint name -> its copies into parameters of another dtype (each element
+            cast: the values follow from the checkpoint, its bits cannot be written in place).
         irregular: parameter -> why its writes cannot be replayed from checkpoint elements.
         written_by: parameter -> the checkpoint tensors it was written from (for a write the
             map cannot replay: the tensor the loader had taken last).
@@ -206,6 +253,7 @@ class WriteMap:
 
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     fills: dict[str, list[Fill]] = field(default_factory=dict)
+    casts: dict[str, list[Piece]] = field(default_factory=dict)
     irregular: dict[str, str] = field(default_factory=dict)
     written_by: dict[str, set[str]] = field(default_factory=dict)
 
@@ -217,11 +265,22 @@ class WriteMap:
                 by_param.setdefault(piece.param, []).append(piece)
         return by_param
 
+    def not_in_place(self) -> dict[str, str]:
+        """Parameter -> why checkpoint bits cannot be written into it in place (irregular, or
+        written with a cast)."""
+        casts = {
+            piece.param: f"{piece.name} is cast to the parameter's dtype"
+            for pieces in self.casts.values()
+            for piece in pieces
+        }
+        return {**casts, **self.irregular}
+
     def uncovered(self, param: str, shape: tuple[int, ...]) -> str | None:
-        """Why the boxes of ``param`` do not cover it exactly once (None: they do)."""
-        boxes = [p.dst for p in self.params().get(param, [])] + [
-            f.dst for f in self.fills.get(param, [])
-        ]
+        """Why the boxes of ``param`` (copies, casts and fills) do not cover it exactly once
+        (None: they do)."""
+        casts = [p.dst for ps in self.casts.values() for p in ps if p.param == param]
+        boxes = [p.dst for p in self.params().get(param, [])] + casts
+        boxes += [f.dst for f in self.fills.get(param, [])]
         for i, box in enumerate(boxes):
             if any(box.overlaps(other) for other in boxes[i + 1 :]):
                 return "two writes overlap"
@@ -239,7 +298,7 @@ class WriteMap:
         for param, tensor in params.items():
             flat = tensor.detach().view(-1)
             for fill in self.fills.get(param, []):
-                if not bool((_box_view(flat, tuple(tensor.shape), fill.dst) == fill.value).all()):
+                if not fill.holds(flat, tuple(tensor.shape)):
                     failed[param] = f"padding holds other values than {fill.value}"
         for name, checkpoint in weights:
             for piece in self.pieces.get(name, []):
@@ -255,7 +314,7 @@ class WriteMap:
 def _box_view(flat: torch.Tensor, shape: tuple[int, ...], box: _Box) -> torch.Tensor:
     strides = _contiguous_strides(shape)
     offset = sum(s * c for s, c in zip(box.start, strides, strict=True))
-    return flat.as_strided(box.length, strides, offset)
+    return flat.as_strided(box.length, strides, flat.storage_offset() + offset)
 
 
 def _round_trip(piece: Piece, tensor: torch.Tensor, flat: torch.Tensor) -> str | None:
@@ -348,12 +407,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         origin = (
             self._sources.get(_storage_key(source)) if isinstance(source, torch.Tensor) else None
         )
-        if (
-            origin is None
-            or not isinstance(source, torch.Tensor)
-            or source.dtype != view.dtype
-            or source.shape != view.shape
-        ):
+        if origin is None or not isinstance(source, torch.Tensor) or source.shape != view.shape:
             self._irregular(param, f"{func} writes values computed by the loader")
             return
         name, checkpoint = origin
@@ -365,7 +419,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         piece = Piece(
             name, tuple(checkpoint.shape), src, tuple(src_dims), param, shape, dst, tuple(dst_dims)
         )
-        self._map.pieces.setdefault(name, []).append(piece)
+        (self._map.casts if source.dtype != view.dtype else self._map.pieces).setdefault(
+            name, []
+        ).append(piece)
         self._map.written_by.setdefault(param, set()).add(name)
 
 
