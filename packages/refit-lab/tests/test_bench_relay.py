@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -49,12 +52,50 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
         "loopback_dense",
         "loopback_sparse_1pct",
         "loopback_raw_zmq",
+        "loopback_transactional_zmq",
         "loopback_receiver_extra",
     ]
-    raw, extra = report.results[2:]
+    raw, _, extra = report.results[2:]
     assert float(str(raw["cpu_s"])) > 0 and float(str(extra["cpu_s"])) > 0
     sparse = report.results[1]
     assert int(str(sparse["wire_bytes"])) < int(str(sparse["dense_bytes"])) / 10
+    _check_loopback_ratios(summary, report.results)
+
+
+LOOPBACK_RATIOS = {
+    "transport_efficiency_vs_raw_zmq": ("loopback_dense", "loopback_raw_zmq"),
+    "ceiling_vs_raw_zmq": ("loopback_transactional_zmq", "loopback_raw_zmq"),
+    "transport_efficiency_vs_ceiling": ("loopback_dense", "loopback_transactional_zmq"),
+}
+
+
+def _check_loopback_ratios(summary: Mapping[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Every loopback ratio is the median over rounds of the subject's rate (dense bytes over
+    its seconds in that round) over the reference's, recomputed from the rows."""
+    by_case = {row["case"]: row for row in rows}
+    for key, (subject, reference) in LOOPBACK_RATIOS.items():
+        a, b = by_case[subject], by_case[reference]
+        per_round = [
+            (a["dense_bytes"] / sa) / (b["dense_bytes"] / sb)
+            for sa, sb in zip(a["round_s"], b["round_s"], strict=True)
+        ]
+        assert summary[key] == pytest.approx(statistics.median(per_round), rel=1e-12)
+        rate = statistics.median(b["dense_bytes"] / s / 1e9 for s in b["round_s"])
+        assert summary[f"{key}_reference_gbps"] == pytest.approx(rate, rel=1e-12)
+
+
+def test_loopback_ratios_put_the_refit_over_its_references() -> None:
+    """A refit twice as slow as the raw stream is at 0.5 of it (not 2)."""
+    rows = [
+        {"case": "loopback_dense", "dense_bytes": 8, "round_s": [2.0, 4.0, 8.0]},
+        {"case": "loopback_raw_zmq", "dense_bytes": 8, "round_s": [1.0, 2.0, 4.0]},
+        {"case": "loopback_transactional_zmq", "dense_bytes": 8, "round_s": [1.0, 4.0, 4.0]},
+    ]
+    ratios = relay.loopback_ratios(rows)
+    assert ratios["transport_efficiency_vs_raw_zmq"] == pytest.approx(0.5)
+    assert ratios["ceiling_vs_raw_zmq"] == pytest.approx(1.0)
+    assert ratios["transport_efficiency_vs_ceiling"] == pytest.approx(0.5)
+    _check_loopback_ratios(ratios, rows)
 
 
 def _leftovers(tag: str) -> str:
