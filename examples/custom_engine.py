@@ -57,6 +57,7 @@ class EngineClosedError(RuntimeError):
     """The engine's weights are being written or are partial: it answers nothing."""
 
 
+# --8<-- [start:engine]
 class TinyEngine:
     """The user's engine: ``CollectiveEngine`` (load, reset cache, commit a version, say
     what it accepts) plus the ``RefitHooks`` (closed from begin until commit, or until an
@@ -127,6 +128,8 @@ class TinyEngine:
                 self._prefix_cache[key] = self.model(x)
             return self._prefix_cache[key]
 
+    # --8<-- [end:engine]
+
     def weights(self) -> Weights:
         return {name: t.clone() for name, t in self.model.state_dict().items()}
 
@@ -136,6 +139,7 @@ GEOMETRY = CollectiveSenderSpec(
 )  # 2 MiB: 3 buckets
 
 
+# --8<-- [start:worker]
 class EngineWorker(EngineEndpoint):
     """One engine worker, a Ray actor: refit's endpoint around the user's engine, plus the
     user's own serving methods."""
@@ -159,6 +163,9 @@ class EngineWorker(EngineEndpoint):
 
     def is_hanging(self) -> bool:
         return self.tiny_engine.hanging
+
+
+# --8<-- [end:worker]
 
 
 class EngineFleet:
@@ -196,6 +203,7 @@ class Trainer:
         return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
 
 
+# --8<-- [start:synchronizer]
 def make_synchronizer(trainer: Trainer, fleet: EngineFleet) -> WeightSynchronizer:
     return create_weight_synchronizer(
         trainer,
@@ -206,6 +214,9 @@ def make_synchronizer(trainer: Trainer, fleet: EngineFleet) -> WeightSynchronize
         inference_cluster=LocalCluster(len(fleet.workers)),
         refit_timeout_s=30.0,
     )
+
+
+# --8<-- [end:synchronizer]
 
 
 @dataclass
@@ -360,7 +371,7 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
 
 
 def main() -> None:
-    # refit logs every failure at WARNING with its traceback; the demo prints the error's facts.
+    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
     logging.basicConfig(level=logging.ERROR)
     with local_ray(num_cpus=4, log_to_driver=False):
         outcome = run()

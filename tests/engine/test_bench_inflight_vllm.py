@@ -7,6 +7,7 @@ import pytest
 
 from refit_lab.bench.harness import BENCHES, BenchContext
 from refit_lab.bench.inflight_vllm import MODES, ROWS, STREAMS, Sizes, measure
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 from refit_lab.reference_engine import ReferenceModelConfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -26,6 +27,36 @@ TINY = Sizes(
 )
 
 
+def _staged_over(row: str, key: str, reference_mode: str, reference_key: str) -> Ratio:
+    return Ratio(
+        Side(key, {"row": row, "mode": "staged"}),
+        Side(reference_key, {"row": row, "mode": reference_mode}),
+    )
+
+
+SUMMARY_RATIOS = {
+    **{
+        f"{row}_pause_fraction_of_stop_the_world": _staged_over(
+            row, "pause_ms", "stop_the_world", "pause_ms"
+        )
+        for row in ROWS
+    },
+    **{
+        f"{row}_token_gap_fraction_of_stop_the_world": _staged_over(
+            row, "token_gap_ms", "stop_the_world", "token_gap_ms"
+        )
+        for row in ROWS
+    },
+    **{
+        f"{row}_tokens_during_staging_fraction": _staged_over(
+            row, "moving_tokens_per_s", "staged", "quiet_tokens_per_s"
+        )
+        for row in ROWS
+    },
+}
+"""Each summary ratio: the rows (one per row, round and mode) it compares, subject first."""
+
+
 def test_one_round_per_row_loses_no_request() -> None:
     assert BENCHES["inflight_vllm"] == "refit_lab.bench.inflight_vllm:run"
     report = measure(BenchContext(quick=True, threads=1), TINY)
@@ -36,5 +67,13 @@ def test_one_round_per_row_loses_no_request() -> None:
     for row in ROWS:
         assert report.summary[f"{row}_staged_pause_ms"] > 0
         assert report.summary[f"{row}_stop_the_world_pause_ms"] > 0
-        assert report.summary[f"{row}_tokens_during_staging_fraction"] > 0
+    check_summary_ratios(
+        report,
+        SUMMARY_RATIOS,
+        other_keys={
+            "requests_submitted",
+            "requests_lost",
+            *(f"{row}_{mode}_pause_ms" for row in ROWS for mode in MODES),
+        },
+    )
     report.to_json()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HEAVY = ("torch", "zmq", "ray", "numpy", "httpx", "aiohttp", "requests", "xxhash", "zstandard")
 
 
@@ -58,3 +60,26 @@ def test_import_and_factory_errors_load_nothing_heavy() -> None:
         "ValueError",
         "ValueError",
     ]
+
+
+def test_listing_backends_imports_each_backend_package_and_its_rows_module_only() -> None:
+    """Reading a row imports its module and, first, its package's ``__init__``: for refit's
+    backends nothing else (a heavy ``__init__`` would slow every listing and factory call)."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from refit_core.registry import discover
+        found = discover()
+        loaded = sorted(m for m in sys.modules if m.startswith("refit_") and m != "refit_core"
+                        and not m.startswith("refit_core."))
+        print(json.dumps({"loaded": loaded, "rows": [r.row.key for r in found.rows]}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not report["rows"]:
+        pytest.skip("no backend installed (refit-core's isolated run)")
+    for module in report["loaded"]:
+        assert module.partition(".")[2] in ("", "rows"), f"listing backends imported {module}"

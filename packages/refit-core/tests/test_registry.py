@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from refit_core import BackendNotInstalledError, create_weight_synchronizer, known_rows
+from refit_core import (
+    BackendNotInstalledError,
+    EngineState,
+    RefitError,
+    create_weight_synchronizer,
+    known_rows,
+)
 from refit_core.backend import BackendRow
 from refit_core.cli import main
 from refit_core.known_rows import KnownRow
@@ -151,6 +157,45 @@ def test_a_broken_entry_point_is_listed_and_named(
     records = {r["key"]: r for r in json.loads(capsys.readouterr().out)}
     assert records["toy.colocated.broken"]["status"] == "broken"
     assert error in records["toy.colocated.broken"]["error"]
+
+
+def test_a_topology_the_backend_has_no_row_for_is_not_implemented(install: Install) -> None:
+    install(
+        "refit-oneway",
+        "1.0",
+        {"oneway.non-colocated.wire": "oneway_rows:WIRE"},
+        {
+            "oneway_rows": (
+                "from refit_core.backend import BackendRow\n"
+                "WIRE = BackendRow('oneway', 'non-colocated', 'wire',"
+                " 'refit_toy.builder:build_wire', 'one way only', default=True)\n"
+            )
+        },
+    )
+    says = r"oneway has no colocated row \(colocated=True\); its rows: oneway.non-colocated.wire"
+    with pytest.raises(NotImplementedError, match=says):
+        create_weight_synchronizer(None, None, "oneway", colocated=True)
+    with pytest.raises(NotImplementedError, match=says):
+        find_row("oneway", True, "wire")
+
+
+def test_the_toy_answers_status_and_recover_through_its_public_hook() -> None:
+    engine = toy.ToyEngine()
+    sync = create_weight_synchronizer(toy.ToyPolicy({"w": b"ab"}), engine, "toy", colocated=True)
+    sync.sync_weights()
+    assert sync.status().describe() == "version 1 on shards [0]"
+    engine.broken = True
+    with pytest.raises(RefitError, match="^toy engine: load: the engine refuses") as failed:
+        sync.sync_weights()
+    assert [(e.worker, e.state, e.version) for e in failed.value.engines] == [
+        ("toy engine", EngineState.OLD, 1)
+    ]
+    assert sync.recover().after.agreed_version == 1
+
+
+def test_options_are_checked_when_built() -> None:
+    with pytest.raises(TypeError, match=r"ToyOptions.chunk_bytes takes int, got '3' \(str\)"):
+        toy.ToyOptions(chunk_bytes="3")
 
 
 def test_unknown_names_list_what_exists() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -86,6 +87,28 @@ def test_refit_errors_pass_through_unchanged() -> None:
     assert info.value is error
 
 
+@pytest.mark.parametrize("failure", [RefitError("typed\nsecond line"), KeyError("boom")])
+def test_a_failed_refit_logs_one_warning_line_and_its_traceback_at_debug(
+    caplog: pytest.LogCaptureFixture, failure: BaseException
+) -> None:
+    sync = RecordingSynchronizer()
+    sync.fail_with = failure
+    with (
+        caplog.at_level(logging.DEBUG, logger="refit_core.synchronizer"),
+        pytest.raises(RefitError),
+    ):
+        sync.sync_weights()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = warnings
+    assert warning.exc_info is None and "\n" not in warning.getMessage()
+    assert warning.getMessage().startswith("RecordingSynchronizer: refit to version 1 failed: ")
+    assert (
+        "typed" if isinstance(failure, RefitError) else "KeyError: 'boom'"
+    ) in warning.getMessage()
+    traced = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert len(traced) == 1 and traced[0].exc_info[1] is failure  # type: ignore[index]
+
+
 def test_each_refit_gets_a_fresh_deadline() -> None:
     sync = RecordingSynchronizer(refit_timeout_s=30.0)
     sync.sync_weights()
@@ -136,7 +159,7 @@ class FleetSynchronizer(RecordingSynchronizer):
         self.fleet = fleet
         self.absent: frozenset[int] = frozenset()
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
         engines = []
         for shard, held in self.fleet.items():
             if isinstance(held, EngineHealth):
@@ -152,12 +175,12 @@ class FleetSynchronizer(RecordingSynchronizer):
     def _close_open_transfers(self, deadline: Deadline) -> None:
         self.calls.append("close_open")
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         return frozenset(self.fleet) - self.absent
 
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
         result = super()._sync_weights(version, deadline)
-        for shard in self._live_shards() or ():
+        for shard in self.live_shards() or ():
             self.fleet[shard] = version
         return result
 

@@ -23,8 +23,13 @@ pytestmark = [
 
 USE = textwrap.dedent(
     """
-    import json
-    from refit_core import create_weight_synchronizer
+    import json, sys
+    from refit_core.cli import main
+
+    main(["backends", "--json"])  # lists every row: the toy's package and rows module only
+    listed = sorted(m for m in sys.modules if m.split(".")[0] == "refit_toy")
+
+    from refit_core import RefitError, create_weight_synchronizer
     from refit_toy import ToyEngine, ToyOptions, ToyPolicy
 
     class MeetingPoint:
@@ -40,11 +45,26 @@ USE = textwrap.dedent(
         ToyPolicy(weights), far, "toy", False, train_cluster=MeetingPoint(), refit_timeout_s=5.0
     )
     versions = [colocated.sync_weights().version, remote.sync_weights().version]
+    far.broken = True
+    try:
+        remote.sync_weights()
+    except RefitError as error:
+        failed = [str(error), [(e.worker, e.state.value, e.version) for e in error.engines]]
+    status = remote.status()
+    try:
+        ToyOptions(chunk_bytes="3")
+    except TypeError as error:
+        refused = str(error)
     print(json.dumps({
+        "listed": listed,
         "types": [type(colocated).__name__, type(remote).__name__],
         "versions": versions,
         "delivered": [near.weights == weights, far.weights == weights],
         "meeting_point": list(remote.meeting_point),
+        "failed": failed,
+        "status": status.describe(),
+        "recovered": remote.recover().after.agreed_version,
+        "refused": refused,
     }))
     """
 )
@@ -84,9 +104,16 @@ def test_a_package_outside_refit_is_listed_and_built(tmp_path: Path) -> None:
     )
 
     used = json.loads(run(python, "-c", USE).splitlines()[-1])
-    assert used == {
+    assert used["listed"] == ["refit_toy", "refit_toy.rows"], "a heavy __init__ slows listing"
+    assert {k: used[k] for k in ("types", "versions", "delivered", "meeting_point")} == {
         "types": ["ToySynchronizer", "ToySynchronizer"],
         "versions": [1, 1],
         "delivered": [True, True],
         "meeting_point": ["10.1.2.3", 29511],
     }
+    message, engines = used["failed"]
+    assert message.startswith("toy engine: load: the engine refuses new weights")
+    assert message.count("toy engine") == 2  # its label, then what it serves: "... as before"
+    assert engines == [["toy engine", "old", 1]]
+    assert (used["status"], used["recovered"]) == ("version 1 on shards [0]", 1)
+    assert used["refused"] == "ToyOptions.chunk_bytes takes int, got '3' (str)"

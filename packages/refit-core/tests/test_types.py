@@ -22,7 +22,13 @@ from refit_core import (
     WorkerError,
     WorkerOutcome,
 )
-from refit_core.backend import CollectiveSenderSpec, Deadline
+from refit_core.backend import (
+    MIN_BUFFER_BYTES,
+    CollectiveSenderSpec,
+    Deadline,
+    checked_buffer_size,
+    with_engines,
+)
 from refit_core.types import dtype_name
 
 
@@ -104,6 +110,44 @@ def test_errors_carry_structured_facts_through_pickling() -> None:
     assert RefitError("x", recovery=Recovery.RESYNC).recovery is Recovery.RESYNC
     assert RefitError("x", is_retryable=False).recovery is Recovery.FIX
     assert not RefitAbortedError("aborted").is_retryable
+
+
+def test_a_worker_error_names_its_worker_and_operation_once() -> None:
+    first = WorkerError("load failed", worker="engine 0", operation="load")
+    assert str(first) == "engine 0: load: load failed"
+    again = WorkerError(str(first), worker="engine 0", operation="load")  # re-raised elsewhere
+    assert str(again) == "engine 0: load: load failed"
+    labelled = WorkerError("engine 0: out of memory", worker="engine 0", operation="load")
+    assert str(labelled) == "engine 0: load: out of memory"
+
+
+def test_with_engines_twice_adds_each_engine_once() -> None:
+    old = EngineReport(0, "engine 0", EngineState.OLD, 3, "refused")
+    closed = EngineReport(1, "engine 1", EngineState.CLOSED)
+    error = with_engines(RefitError("refit failed"), [old, closed])
+    text = str(error)
+    assert with_engines(error, [old, closed]) is error
+    assert (error.engines, str(error)) == ((old, closed), text)
+    unknown = EngineReport(1, "engine 1", EngineState.UNKNOWN)
+    with_engines(error, [unknown])  # newer news of engine 1 replaces what the error said
+    assert error.engines == (old, unknown) and str(error).endswith("engine 1 did not answer")
+    assert error.failed_shards == (0, 1)
+
+
+def test_a_bucket_is_at_least_one_mib() -> None:
+    assert checked_buffer_size(MIN_BUFFER_BYTES) == MIN_BUFFER_BYTES == 1 << 20
+    with pytest.raises(ValueError, match=r"buffer_size_bytes must be >= 1048576 \(1 MiB\)"):
+        checked_buffer_size(32768)
+    with pytest.raises(TypeError, match="must be an int"):
+        checked_buffer_size(2.0**20)  # type: ignore[arg-type]
+
+
+def test_the_user_facade_leaves_deadlines_to_the_backend_interface() -> None:
+    import refit_core
+    import refit_core.backend
+
+    assert "Deadline" not in refit_core.__all__ and not hasattr(refit_core, "Deadline")
+    assert "Deadline" in refit_core.backend.__all__
 
 
 def test_deadline_arithmetic() -> None:

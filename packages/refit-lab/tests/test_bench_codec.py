@@ -10,6 +10,7 @@ import torch
 from refit_lab.bench import codec, codec_gpu
 from refit_lab.bench.deltas import ModelShape
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 from refit_lab.bench.references import (
     nemo_apply,
     nemo_encode,
@@ -28,12 +29,44 @@ SUMMARY_KEYS = {
     "apply_fraction_of_memcpy",
     "roundtrip_bitexact",
 }
-RATIOS_WITH_REFERENCES = {
-    "encode_speedup_vs_xor_zstd",
-    "encode_speedup_vs_nemo_recipe",
-    "encode_fraction_of_memcpy",
-    "apply_fraction_of_memcpy",
-    "encode_speedup_vs_numpy_naive",
+
+
+def _at(method: str) -> dict[str, object]:
+    return {"case": codec.SUMMARY_CASE, "method": method}
+
+
+def _refit_encode_against(method: str) -> Ratio:
+    return Ratio(Side("encode_gbps", _at("refit")), Side("encode_gbps", _at(method)))
+
+
+SUMMARY_RATIOS = {
+    "encode_speedup_vs_xor_zstd": _refit_encode_against("xor_zstd"),
+    "encode_speedup_vs_nemo_recipe": _refit_encode_against("nemo"),
+    "encode_speedup_vs_numpy_naive": _refit_encode_against("numpy_naive"),
+    "encode_fraction_of_memcpy": Ratio(
+        Side("encode_gbps", _at("refit")), Side("memcpy_gbps", _at("refit"))
+    ),
+    "apply_fraction_of_memcpy": Ratio(
+        Side("apply_gbps", _at("refit")), Side("memcpy_gbps", _at("refit"))
+    ),
+    "wire_ratio_vs_xor_zstd": Ratio(
+        Side("wire_bytes", _at("refit")), Side("wire_bytes", _at("xor_zstd"))
+    ),
+}
+"""Each summary ratio: the rows it compares, subject first."""
+
+
+def _gpu(case: str, against: str) -> Ratio:
+    return Ratio(Side("gbps", {"case": case}), Side("gbps", {"case": against}))
+
+
+GPU_RATIOS = {
+    "gpu_encode_fraction_of_d2d_copy": _gpu("refit_gpu", "d2d_copy"),
+    "gpu_encode_speedup_vs_torch_ne_nonzero": _gpu("refit_gpu", "torch_ne_nonzero"),
+    "gpu_diff_fraction_of_d2d_copy": _gpu("refit_gpu_diff", "d2d_copy"),
+    "gpu_diff_speedup_vs_torch_ne_nonzero": _gpu("refit_gpu_diff", "torch_ne_nonzero"),
+    "gpu_encode_speedup_vs_host_path": _gpu("refit_gpu", "refit_host"),
+    "pinned_encode_fraction_of_d2d_copy": _gpu("refit_gpu_pinned", "d2d_copy"),
 }
 
 
@@ -95,7 +128,7 @@ def test_recipes_roundtrip_and_check_their_digest(
 
 
 def test_tiny_run_reports_every_case_and_the_summary() -> None:
-    report = codec.measure(BenchContext(quick=True, threads=2), model=TINY, repeats=1)
+    report = codec.measure(BenchContext(quick=True, threads=2), model=TINY, repeats=2)
     cases = {row["case"] for row in report.results}
     assert cases == {*codec.ADAMW_FRACTIONS, codec.UNIFORM_CASE}
     methods = {row["method"] for row in report.results}
@@ -107,8 +140,9 @@ def test_tiny_run_reports_every_case_and_the_summary() -> None:
         if row["method"] != "memcpy":
             assert isinstance(row["wire_bytes"], int) and row["wire_bytes"] > 0
             assert isinstance(row["memcpy_gbps"], float) and row["memcpy_gbps"] > 0
-    for key in RATIOS_WITH_REFERENCES:
-        assert report.summary[f"{key}_reference_gbps"] > 0
+    check_summary_ratios(
+        report, SUMMARY_RATIOS, other_keys={"refit_encode_gbps", "changed_fraction"}
+    )
     report.to_json()
 
 
@@ -127,5 +161,10 @@ def test_gpu_bench_logic_on_cpu_tensors() -> None:
     assert report.summary["bitexact"] is True
     assert report.summary["state_bytes"] >= 1 << 20
     assert 0 < report.summary["to_host_fraction"] < 0.1
-    assert report.summary["gpu_encode_fraction_of_d2d_copy_reference_gbps"] > 0
+    assert report.summary.keys() >= GPU_RATIOS.keys()
+    check_summary_ratios(
+        report,
+        GPU_RATIOS,
+        other_keys={"gpu_encode_gbps", "to_host_fraction", "changed_fraction", "state_bytes"},
+    )
     report.to_json()

@@ -27,9 +27,11 @@ from refit_lab.bench.harness import (
     gbps,
     load_bench,
     machine_info,
+    rate_fields,
     timeit,
     write_json,
 )
+from refit_lab.bench.ratio_check import Ratio, Side, Worst, check_summary_ratios
 from refit_lab.bench.runtime import ChildGroup, Deadline, free_port
 
 SUMMARY_KEYS = {"memcpy_gbps", "gloo_broadcast_gbps", "zmq_stream_gbps"}
@@ -252,10 +254,101 @@ def test_cli_passes_device_and_size_to_sized_benches(monkeypatch: pytest.MonkeyP
 
 def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
     # round 2 is slow for both sides (load): its ratio is still 0.5
-    pair = PairedRatio.of([2.0, 8.0, 2.2], [1.0, 4.0, 1.0], nbytes=10**9)
+    pair = PairedRatio.of(subject_s=[2.0, 8.0, 2.2], reference_s=[1.0, 4.0, 1.0], nbytes=10**9)
     assert pair.ratio == pytest.approx(0.5)
+    assert pair.time_ratio == pytest.approx(2.0)
     assert pair.reference_gbps == pytest.approx(1.0)
     assert pair.subject_gbps == pytest.approx(1 / 2.2)
+    assert pair.rounds == 3
     assert pair.summary("x") == {"x": pair.ratio, "x_reference_gbps": pair.reference_gbps}
+    assert pair.summary("t", time=True)["t"] == pair.time_ratio
     with pytest.raises(ValueError, match="paired"):
-        PairedRatio.of([1.0], [1.0, 2.0], nbytes=1)
+        PairedRatio.of(subject_s=[1.0], reference_s=[1.0, 2.0], nbytes=1)
+
+
+def test_paired_ratio_takes_its_sides_only_by_name() -> None:
+    with pytest.raises(TypeError):
+        PairedRatio.of([2.0], [1.0], 10**9)  # type: ignore[misc]
+
+
+def _paired_report(summary: dict[str, float | bool]) -> BenchReport:
+    ours = PairedRatio.of(subject_s=[2.0, 1.0, 3.0], reference_s=[1.0, 1.0, 1.0], nbytes=10**9)
+    return BenchReport(
+        bench="demo",
+        quick=True,
+        machine={},
+        results=[
+            {"case": "ours", **rate_fields("gbps", ours.subject_rounds_gbps)},
+            {"case": "raw", **rate_fields("gbps", ours.reference_rounds_gbps)},
+        ],
+        summary=summary,
+    )
+
+
+RATIOS = {"ours_vs_raw": Ratio(Side("gbps", {"case": "ours"}), Side("gbps", {"case": "raw"}))}
+
+
+def test_ratio_check_accepts_the_ratio_its_rows_give() -> None:
+    ours = PairedRatio.of(subject_s=[2.0, 1.0, 3.0], reference_s=[1.0, 1.0, 1.0], nbytes=10**9)
+    report = _paired_report({**ours.summary("ours_vs_raw"), "ok": True})
+    check_summary_ratios(report, RATIOS)
+    assert ours.ratio == pytest.approx(0.5)
+
+
+def test_ratio_check_fails_an_inverted_ratio() -> None:
+    inverted = PairedRatio.of(subject_s=[1.0, 1.0, 1.0], reference_s=[2.0, 1.0, 3.0], nbytes=10**9)
+    with pytest.raises(AssertionError, match=r"ours_vs_raw = 2\.0, but its rows give 0\.5"):
+        check_summary_ratios(_paired_report(inverted.summary("ours_vs_raw")), RATIOS)
+
+
+def test_ratio_check_fails_a_mislabeled_reference_rate_and_an_unchecked_ratio() -> None:
+    ours = PairedRatio.of(subject_s=[2.0, 1.0, 3.0], reference_s=[1.0, 1.0, 1.0], nbytes=10**9)
+    summary = {"ours_vs_raw": ours.ratio, "ours_vs_raw_reference_gbps": ours.subject_gbps}
+    with pytest.raises(AssertionError, match="reference_gbps = 0.5, but the reference's rows"):
+        check_summary_ratios(_paired_report(summary), RATIOS)
+    with pytest.raises(AssertionError, match="'extra_ratio' is neither"):
+        check_summary_ratios(
+            _paired_report({**ours.summary("ours_vs_raw"), "extra_ratio": 1.0}), RATIOS
+        )
+    check_summary_ratios(
+        _paired_report({**ours.summary("ours_vs_raw"), "extra_ratio": 1.0}),
+        RATIOS,
+        other_keys={"extra_ratio"},
+    )
+
+
+def test_ratio_check_takes_time_ratios_worst_of_several_and_one_row_per_round() -> None:
+    rows: list[dict[str, object]] = [
+        {"case": "a", "mode": "x", "pause_ms": 1.0, **rate_fields("gbps", [1.0, 2.0])},
+        {"case": "b", "mode": "y", "pause_ms": 4.0, **rate_fields("gbps", [4.0, 4.0])},
+        {"case": "c", "mode": "x", "pause_ms": 3.0},
+        {"case": "d", "mode": "y", "pause_ms": 4.0},
+    ]
+    ratios = {
+        "a_time_vs_b": Ratio(Side("gbps", {"case": "a"}), Side("gbps", {"case": "b"}), time=True),
+        "worst": Worst(
+            [
+                Ratio(Side("gbps", {"case": "a"}), Side("gbps", {"case": "b"})),
+                Ratio(Side("gbps", {"case": "b"}), Side("gbps", {"case": "a"})),
+            ]
+        ),
+        "pause_x_vs_y": Ratio(Side("pause_ms", {"mode": "x"}), Side("pause_ms", {"mode": "y"})),
+    }
+    summary: dict[str, float | bool] = {
+        "a_time_vs_b": 3.0,  # median of 4 / 1 and 4 / 2
+        "a_time_vs_b_reference_gbps": 4.0,
+        "worst": 0.375,  # median of 1 / 4 and 2 / 4
+        "pause_x_vs_y": 0.5,  # median of 1 / 4 and 3 / 4
+    }
+    report = BenchReport(bench="demo", quick=True, machine={}, results=rows, summary=summary)
+    check_summary_ratios(report, ratios)
+    rows[0]["gbps"] = 2.0  # a recorded median that is not its rounds' median
+    with pytest.raises(AssertionError, match="is not the median of its rounds"):
+        check_summary_ratios(report, ratios)
+
+
+def test_the_table_leaves_the_rounds_to_the_json() -> None:
+    report = _paired_report({})
+    table = format_table(report)
+    assert "gbps" in table and "gbps_rounds" not in table
+    assert report.to_json()["results"][0]["gbps_rounds"] == [0.5, 1.0, 1 / 3]  # type: ignore[index]

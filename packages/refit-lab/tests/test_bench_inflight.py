@@ -6,6 +6,7 @@ import pytest
 
 from refit_lab.bench import inflight
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 from refit_lab.reference_engine import GenerationOutput, ReferenceModelConfig, WeightVersionSpan
 from refit_lab.serving_load import CLIENTS_PER_ENGINE, NEW_TOKENS, complete
 
@@ -16,6 +17,19 @@ TINY = inflight.Sizes(
     rounds=1,
     quiet_s=0.3,
 )
+SUMMARY_RATIOS = {
+    "pause_fraction_of_stop_the_world": Ratio(
+        Side("pause_ms", {"mode": "staged"}), Side("pause_ms", {"mode": "stop_the_world"})
+    ),
+    "token_gap_fraction_of_stop_the_world": Ratio(
+        Side("token_gap_ms", {"mode": "staged"}), Side("token_gap_ms", {"mode": "stop_the_world"})
+    ),
+    "tokens_during_staging_fraction": Ratio(
+        Side("moving_tokens_per_s", {"mode": "staged"}),
+        Side("quiet_tokens_per_s", {"mode": "staged"}),
+    ),
+}
+"""Each summary ratio: the rows (one per round and mode) it compares, subject first."""
 SUMMARY_KEYS = {
     "pause_fraction_of_stop_the_world",
     "staged_pause_ms",
@@ -65,4 +79,5 @@ def test_tiny_run_loses_no_request_and_is_bitexact() -> None:
     assert [r["case"] for r in report.results] == ["round 1 staged", "round 1 stop_the_world"]
     assert all(r["bitexact"] is True for r in report.results)
     assert report.summary["stop_the_world_pause_ms"] > 0
+    check_summary_ratios(report, SUMMARY_RATIOS, other_keys=SUMMARY_KEYS - SUMMARY_RATIOS.keys())
     report.to_json()

@@ -1,4 +1,5 @@
-"""Plots of `refit bench all`, drawn from real runs of the benches at tiny sizes."""
+"""Plots of `refit bench all`, drawn from real runs of the benches at tiny sizes; the
+`collective` bench's own checks, on the same run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from refit_lab.bench.plots import (
     relay_series,
     write_plots,
 )
+from refit_lab.bench.ratio_check import Ratio, Side, Worst, check_summary_ratios
 
 MiB = 1 << 20
 CTX = BenchContext(quick=True, threads=1)
@@ -40,6 +42,35 @@ def codec_report() -> BenchReport:
 @pytest.fixture(scope="module")
 def collective_report() -> BenchReport:
     return collective.measure(CTX, 2 * MiB, repeats=1, abort=False)
+
+
+def _lowest(subject: str, reference: str) -> Worst:
+    """``subject`` over ``reference`` at each receiver count; the summary keeps the lowest."""
+    return Worst(
+        [
+            Ratio(
+                Side("gbps", {"case": f"{subject} x{n}"}),
+                Side("gbps", {"case": f"{reference} x{n}"}),
+            )
+            for n in collective.RECEIVERS
+        ]
+    )
+
+
+COLLECTIVE_RATIOS = {
+    "packed_vs_flat_throughput": _lowest("packed", "flat"),
+    "packed_speedup_vs_per_tensor": _lowest("packed", "per_tensor"),
+    "packed_copy_vs_flat_throughput": _lowest("packed_copy", "flat"),
+    "packed_child_vs_packed_throughput": _lowest("packed_child", "packed"),
+}
+"""Each summary ratio of the `collective` bench: the rows it compares, subject first."""
+
+
+def test_collective_run_is_bitexact_and_its_ratios_are_its_rows(
+    collective_report: BenchReport,
+) -> None:
+    assert collective_report.summary["bitexact"] is True
+    check_summary_ratios(collective_report, COLLECTIVE_RATIOS, other_keys={"memcpy_gbps"})
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
-import statistics
 import subprocess
-from collections.abc import Mapping
-from typing import Any
 
 import pytest
 import torch
 
 from refit_lab.bench import relay
-from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
+from refit_lab.bench.harness import BENCHES, BenchContext, BenchReport, load_bench
+from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
 
 MiB = 1 << 20
-TINY = relay.Sizes(dense_bytes=4 * MiB, tree_bytes=4 * MiB, repeats=1, receivers=(1, 2), hidden=128)
+TINY = relay.Sizes(dense_bytes=4 * MiB, tree_bytes=4 * MiB, repeats=2, receivers=(1, 2), hidden=128)
+
+
+def _dense(case: str, **where: object) -> Side:
+    return Side("gbps_dense", {"case": case, **where})
+
+
+def _seconds(case: str, receivers: int) -> Side:
+    return Side("seconds", {"case": case, "receivers": receivers})
+
+
+LOOPBACK_RATIOS = {
+    "transport_efficiency_vs_raw_zmq": Ratio(_dense("loopback_dense"), _dense("loopback_raw_zmq")),
+    "ceiling_vs_raw_zmq": Ratio(_dense("loopback_transactional_zmq"), _dense("loopback_raw_zmq")),
+    "transport_efficiency_vs_ceiling": Ratio(
+        _dense("loopback_dense"), _dense("loopback_transactional_zmq")
+    ),
+}
+SHAPED_RATIOS = {
+    "shaped_sparse_speedup_vs_dense": Ratio(
+        _dense("shaped_sparse_1pct"), _dense("shaped_raw_dense")
+    ),
+    "shaped_tree1_vs_star1": Ratio(
+        _dense("shaped_tree_dense", receivers=1),
+        _dense("shaped_star_dense", receivers=1),
+        time=True,
+    ),
+    "shaped_tree_time_ratio_2_vs_1": Ratio(
+        _seconds("shaped_tree_dense", 2), _seconds("shaped_tree_dense", 1)
+    ),
+    "shaped_star_time_ratio_2_vs_1": Ratio(
+        _seconds("shaped_star_dense", 2), _seconds("shaped_star_dense", 1)
+    ),
+}
+"""Each summary ratio: the rows it compares, subject first."""
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,8 +76,11 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
     report = relay.measure(BenchContext(quick=True, threads=1), TINY, shaped_links=False)
     summary = report.summary
     assert summary["all_receivers_bitexact"] is True and summary["shaped_measured"] is False
-    assert summary["transport_efficiency_vs_raw_zmq"] > 0
-    assert summary["transport_efficiency_vs_raw_zmq_reference_gbps"] > 0
+    check_summary_ratios(
+        report,
+        LOOPBACK_RATIOS,
+        other_keys={"transport_efficiency_cpu_bound", "loopback_sparse_1pct_gbps_dense"},
+    )
     assert 0 < float(summary["transport_efficiency_cpu_bound"]) <= 1
     cases = [r["case"] for r in report.results]
     assert cases == [
@@ -59,43 +94,6 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
     assert float(str(raw["cpu_s"])) > 0 and float(str(extra["cpu_s"])) > 0
     sparse = report.results[1]
     assert int(str(sparse["wire_bytes"])) < int(str(sparse["dense_bytes"])) / 10
-    _check_loopback_ratios(summary, report.results)
-
-
-LOOPBACK_RATIOS = {
-    "transport_efficiency_vs_raw_zmq": ("loopback_dense", "loopback_raw_zmq"),
-    "ceiling_vs_raw_zmq": ("loopback_transactional_zmq", "loopback_raw_zmq"),
-    "transport_efficiency_vs_ceiling": ("loopback_dense", "loopback_transactional_zmq"),
-}
-
-
-def _check_loopback_ratios(summary: Mapping[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Every loopback ratio is the median over rounds of the subject's rate (dense bytes over
-    its seconds in that round) over the reference's, recomputed from the rows."""
-    by_case = {row["case"]: row for row in rows}
-    for key, (subject, reference) in LOOPBACK_RATIOS.items():
-        a, b = by_case[subject], by_case[reference]
-        per_round = [
-            (a["dense_bytes"] / sa) / (b["dense_bytes"] / sb)
-            for sa, sb in zip(a["round_s"], b["round_s"], strict=True)
-        ]
-        assert summary[key] == pytest.approx(statistics.median(per_round), rel=1e-12)
-        rate = statistics.median(b["dense_bytes"] / s / 1e9 for s in b["round_s"])
-        assert summary[f"{key}_reference_gbps"] == pytest.approx(rate, rel=1e-12)
-
-
-def test_loopback_ratios_put_the_refit_over_its_references() -> None:
-    """A refit twice as slow as the raw stream is at 0.5 of it (not 2)."""
-    rows = [
-        {"case": "loopback_dense", "dense_bytes": 8, "round_s": [2.0, 4.0, 8.0]},
-        {"case": "loopback_raw_zmq", "dense_bytes": 8, "round_s": [1.0, 2.0, 4.0]},
-        {"case": "loopback_transactional_zmq", "dense_bytes": 8, "round_s": [1.0, 4.0, 4.0]},
-    ]
-    ratios = relay.loopback_ratios(rows)
-    assert ratios["transport_efficiency_vs_raw_zmq"] == pytest.approx(0.5)
-    assert ratios["ceiling_vs_raw_zmq"] == pytest.approx(1.0)
-    assert ratios["transport_efficiency_vs_ceiling"] == pytest.approx(0.5)
-    _check_loopback_ratios(ratios, rows)
 
 
 def _leftovers(tag: str) -> str:
@@ -108,14 +106,9 @@ def _leftovers(tag: str) -> str:
 def test_shaped_cases_run_on_namespaces_and_clean_up() -> None:
     rows, summary = relay.shaped(BenchContext(quick=True, threads=1), TINY)
     assert summary["shaped_bitexact"] is True
-    assert set(summary) >= {
-        "shaped_sparse_speedup_vs_dense",
-        "shaped_tree1_vs_star1",
-        "shaped_tree_time_ratio_2_vs_1",
-        "shaped_star_time_ratio_2_vs_1",
-    }
+    report = BenchReport(bench="relay", quick=True, machine={}, results=rows, summary=summary)
+    check_summary_ratios(report, SHAPED_RATIOS)
     star = next(r for r in rows if r["case"] == "shaped_star_dense" and r["receivers"] == 2)
     veth = star["veth_bytes_tree_and_star"]
     assert isinstance(veth, list) and veth[0]["sent"] >= 3 * TINY.tree_bytes
-    assert summary["shaped_sparse_speedup_vs_dense_reference_gbps"] > 0
     assert _leftovers(relay.ShapedLan(1).bridge[:-2]) == ""

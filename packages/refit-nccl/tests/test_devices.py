@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from refit_core import BackendNotInstalledError, Deadline, GeometryMismatchError
-from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant
+from refit_core import BackendNotInstalledError, GeometryMismatchError
+from refit_core.backend import CollectiveSenderSpec, Deadline, LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_lab.ray_cluster import free_port
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint

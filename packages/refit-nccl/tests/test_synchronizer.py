@@ -168,8 +168,8 @@ def test_options_and_a_rendezvous_only_cluster_through_the_factory(fleet: Any) -
     with pytest.raises(ValueError, match="must be CollectiveOptions"):
         build(OtherOptions())
     with pytest.raises(ValueError, match="disagree"):
-        build(CollectiveOptions(buffer_size_bytes=MiB // 2), refit_buffer_size_gb=1.0)
-    refused = build(CollectiveOptions(buffer_size_bytes=MiB // 2))
+        build(CollectiveOptions(buffer_size_bytes=2 * MiB), refit_buffer_size_gb=1.0)
+    refused = build(CollectiveOptions(buffer_size_bytes=2 * MiB))
     with refused, pytest.raises(GeometryMismatchError, match="options.buffer_size_bytes"):
         refused.init_communicator()
     accepted = build(CollectiveOptions(buffer_size_bytes=MiB, grace_s=2.0))

@@ -217,3 +217,8 @@ def test_factory_row() -> None:
             check_bitwise_delivery(deployment)
         finally:
             deployment.close()
+
+
+def test_options_of_the_wrong_type_are_refused_when_built() -> None:
+    with pytest.raises(TypeError, match=r"ColocatedOptions.control_timeout_s takes float"):
+        ColocatedOptions(control_timeout_s=None)  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ backends are found through the ``refit.backends`` entry points and imported on f
 
 from importlib import metadata
 
-from refit_core.deadline import Deadline
 from refit_core.engine_hooks import RefitHooks
 from refit_core.errors import (
     AuthenticationError,
@@ -47,7 +46,6 @@ __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
-    "Deadline",
     "EngineHealth",
     "EngineReport",
     "EngineState",

@@ -14,6 +14,7 @@ from refit_core.engine_hooks import notify
 from refit_core.errors import refit_error_type, with_engines
 from refit_core.facade import lazy_facade
 from refit_core.futures import InFlight, done, failed, in_thread, then
+from refit_core.options import check_field_types
 from refit_core.participants import (
     ActorParticipant,
     Gathered,
@@ -38,11 +39,17 @@ from refit_core.sources.plan import (
     plan_info,
 )
 from refit_core.text import align_columns
-from refit_core.types import CollectiveSenderSpec, dtype_name
+from refit_core.types import (
+    MIN_BUFFER_BYTES,
+    CollectiveSenderSpec,
+    checked_buffer_size,
+    dtype_name,
+)
 
 __all__ = [
     "ENGINE_DTYPES",
     "ENTRY_POINT_GROUP",
+    "MIN_BUFFER_BYTES",
     "ActorParticipant",
     "BackendRow",
     "ClusterLike",
@@ -62,6 +69,8 @@ __all__ = [
     "align_columns",
     "build_plan",
     "cast_once",
+    "check_field_types",
+    "checked_buffer_size",
     "checkpoint_specs",
     "done",
     "dtype_name",

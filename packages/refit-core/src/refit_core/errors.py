@@ -220,6 +220,11 @@ class WorkerError(RefitError):
         wedged_workers: Sequence[str] = (),
         engines: Sequence[EngineReport] = (),
     ) -> None:
+        """The message reads ``"{worker}: {operation}: {message}"``; a ``message`` that
+        already starts with the worker (and the operation), such as another WorkerError's
+        text, is not prefixed again."""
+        for prefix in (f"{worker}: ", f"{operation}: "):
+            message = message.removeprefix(prefix)
         super().__init__(
             f"{worker}: {operation}: {message}",
             is_retryable=is_retryable,
@@ -257,9 +262,13 @@ def refit_error_type(name: str) -> type[RefitError] | None:
 def with_engines(error: RefitError, reports: Sequence[EngineReport]) -> RefitError:
     """``error``, saying what each of ``reports``' engines serves now: added to ``engines``,
     named in the message, and a closed engine making ``recover()`` (a complete refit) needed
-    where a plain retry was enough."""
+    where a plain retry was enough. A report of an engine (shard and label) ``error``
+    already names replaces the one it has; one equal to it changes nothing, so applying the
+    same reports twice adds them once."""
+    known = {(e.shard, e.worker): e for e in error.engines}
+    fresh = [r for r in reports if known.get((r.shard, r.worker)) != r]
     notes = []
-    for report in reports:
+    for report in fresh:
         if report.state is EngineState.CLOSED:
             notes.append(
                 f"{report.worker} is closed: it holds every request until a complete refit"
@@ -270,7 +279,8 @@ def with_engines(error: RefitError, reports: Sequence[EngineReport]) -> RefitErr
             notes.append(f"{report.worker} did not answer")
     if notes:
         error.args = (f"{error}; {'; '.join(notes)}",)
-    error.engines = (*error.engines, *reports)
+    known.update({(r.shard, r.worker): r for r in fresh})
+    error.engines = tuple(known.values())
     if any(r.state is EngineState.CLOSED for r in reports) and error.recovery is Recovery.RETRY:
         error.recovery = Recovery.RECOVER
     return error

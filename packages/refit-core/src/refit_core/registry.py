@@ -159,7 +159,16 @@ def _unknown(backend: str, topology: Topology, transport: str | None) -> Excepti
         r.row.transport for r in everything.rows if (r.row.backend, r.row.topology) == here
     }
     transports |= {r.transport for r in known if (r.backend, r.topology) == here}
-    listed = ", ".join(repr(t) for t in sorted(transports)) or "none"
+    if not transports:
+        rows = sorted(
+            {r.row.key for r in everything.rows if r.row.backend == backend}
+            | {r.key for r in known if r.backend == backend}
+        )
+        return NotImplementedError(
+            f"{backend} has no {topology} row (colocated={topology == 'colocated'}); "
+            f"its rows: {', '.join(rows)}"
+        )
+    listed = ", ".join(repr(t) for t in sorted(transports))
     return ValueError(
         f"unknown transport {transport!r} for {backend} {topology}; known: {listed} (or None)"
     )
@@ -171,8 +180,9 @@ def find_row(backend: str, colocated: bool, transport: str | None) -> InstalledR
     Raises:
         ValueError: an unknown backend or transport, no default among the installed rows, or
             a row registered twice.
-        NotImplementedError: a combination refit does not support (colocated dynamo), or a
-            row of refit's whose installed package does not implement it.
+        NotImplementedError: a combination refit does not support (colocated dynamo), a
+            topology the backend has no row for, or a row of refit's whose installed package
+            does not implement it.
         BackendNotInstalledError: the row's package is missing or broken; the message says
             what to install.
     """

@@ -207,7 +207,40 @@ class WeightSynchronizer(ABC):
         with self._lock:
             self._require_open()
             deadline = self._deadline()
-            return self._run_hook("status", lambda: self._fleet_status(deadline))
+            return self._run_hook("status", lambda: self.fleet_status(deadline))
+
+    def wait_for_switch(
+        self, result: RefitResult, *, timeout_s: float | None = None, poll_s: float = 0.5
+    ) -> FleetStatus:
+        """Wait until every engine of ``result.engines_to_switch`` serves ``result.version``
+        (asking the fleet every ``poll_s``, as :meth:`status` does); at once when none is
+        left to switch.
+
+        Args:
+            result: what :meth:`sync_weights` or :meth:`commit_weights` returned.
+            timeout_s: the longest wait (default: ``refit_timeout_s``; None then: no limit).
+
+        Returns:
+            The fleet as it answered last.
+
+        Raises:
+            RefitTimeoutError: an engine still does not serve the version; the error names it.
+            NotImplementedError: the row cannot ask its engines.
+        """
+        waiting = set(result.engines_to_switch)
+        deadline = Deadline.after(self.refit_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            fleet = self.status()
+            serving = {e.worker for e in fleet.engines if e.version == result.version}
+            waiting -= serving
+            if not waiting:
+                return fleet
+            if deadline.expired():
+                raise RefitTimeoutError(
+                    f"engines {sorted(waiting)} do not serve version {result.version} yet "
+                    f"({fleet.describe()})"
+                )
+            time.sleep(min(poll_s, deadline.remaining_s() or poll_s))
 
     def recover(self) -> RecoveryReport:
         """Bring the fleet back to one version after any failure, as its error advised.
@@ -234,7 +267,7 @@ class WeightSynchronizer(ABC):
                     f"abort of staged version {staged.version}",
                     lambda: self._abort_staged(staged, deadline),
                 )
-            before = self._run_hook("status", lambda: self._fleet_status(deadline))
+            before = self._run_hook("status", lambda: self.fleet_status(deadline))
             dropped = before.shards(EngineHealth.UNREACHABLE)
             logger.info("%s: recovering from %s", type(self).__name__, before.describe())
             self._run_hook(
@@ -243,7 +276,7 @@ class WeightSynchronizer(ABC):
             )
             self._initialized = True
             self._run_hook("closing open transfers", lambda: self._close_open_transfers(deadline))
-            live = self._live(self._run_hook("status", lambda: self._fleet_status(deadline)))
+            live = self._live(self._run_hook("status", lambda: self.fleet_status(deadline)))
             resync: RefitResult | None = None
             if not live.consistent or live.agreed_version != self.version:
                 newest = max(self.version, live.newest_version or 0)
@@ -254,7 +287,7 @@ class WeightSynchronizer(ABC):
                     newest + 1,
                 )
                 resync = self.sync_weights(newest + 1)
-            after = self._fleet_status(self._deadline())
+            after = self.fleet_status(self._deadline())
             logger.info("%s: recovered: %s", type(self).__name__, after.describe())
             return RecoveryReport(before, dropped, resync, after)
 
@@ -328,16 +361,23 @@ class WeightSynchronizer(ABC):
         """Drop ``staged`` everywhere (rows that stage)."""
         raise NotImplementedError(f"{type(self).__name__} cannot stage a refit")
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
-        """Ask every engine of the fleet (absent shards included) how it is."""
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """Hook behind :meth:`status` and :meth:`recover`, for rows that can ask their
+        engines: every engine of the fleet (shards left out of the communicator included),
+        asked directly within ``deadline`` (it must work while the communicator is broken).
+        Callers use :meth:`status`, which holds the synchronizer's lock and wraps errors.
+        The default raises ``NotImplementedError``: ``status()`` and ``recover()`` say so."""
         raise NotImplementedError(f"{type(self).__name__} cannot report its fleet's status")
 
     def _close_open_transfers(self, deadline: Deadline) -> None:
         """Finish every transfer a fault left open on an engine (rows without any: nothing)."""
         return None
 
-    def _live_shards(self) -> frozenset[int] | None:
-        """The shards in the communicator now (None: every shard of the fleet)."""
+    def live_shards(self) -> frozenset[int] | None:
+        """Hook for :meth:`recover`: the shards in the communicator now (None, the default:
+        every shard of the fleet). Rows whose membership changes with
+        ``_reconcile_communicator`` override it, so that ``recover()`` judges only the
+        engines still refitted."""
         return None
 
     @abstractmethod
@@ -351,7 +391,7 @@ class WeightSynchronizer(ABC):
 
     def _live(self, fleet: FleetStatus) -> FleetStatus:
         """``fleet`` without the shards left out of the communicator."""
-        live = self._live_shards()
+        live = self.live_shards()
         if live is None:
             return fleet
         return FleetStatus(tuple(e for e in fleet.engines if e.shard in live))
@@ -359,7 +399,7 @@ class WeightSynchronizer(ABC):
     def _adopt_fleet_version(self, deadline: Deadline) -> None:
         """Start from the newest version the engines serve (a restarted controller)."""
         try:
-            fleet = self._fleet_status(deadline)
+            fleet = self.fleet_status(deadline)
         except NotImplementedError:
             return
         except RefitError as exc:
@@ -404,14 +444,30 @@ class WeightSynchronizer(ABC):
     def _run_hook(self, what: str, hook: Callable[[], _T]) -> _T:
         try:
             return hook()
-        except RefitError:
-            logger.warning("%s: %s failed", type(self).__name__, what, exc_info=True)
+        except RefitError as exc:
+            self._log_failure(what, exc)
             raise
         except TimeoutError as exc:
-            logger.warning("%s: %s timed out", type(self).__name__, what, exc_info=True)
-            raise RefitTimeoutError(f"{what} timed out: {exc}") from exc
+            error: RefitError = RefitTimeoutError(f"{what} timed out: {exc}")
+            self._log_failure(what, exc, error)
+            raise error from exc
         except (ValueError, NotImplementedError):
             raise
         except Exception as exc:
-            logger.warning("%s: %s failed", type(self).__name__, what, exc_info=True)
-            raise RefitError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+            error = RefitError(f"{what} failed: {type(exc).__name__}: {exc}")
+            self._log_failure(what, exc, error)
+            raise error from exc
+
+    def _log_failure(self, what: str, exc: BaseException, raised: RefitError | None = None) -> None:
+        """One WARNING line with the summary of the error the caller gets (a caller that
+        handles it needs no traceback in its log); the traceback at DEBUG."""
+        shown = raised or exc
+        lines = str(shown).splitlines()
+        logger.warning(
+            "%s: %s failed: %s: %s",
+            type(self).__name__,
+            what,
+            type(shown).__name__,
+            lines[0] if lines else "",
+        )
+        logger.debug("%s: %s failed", type(self).__name__, what, exc_info=exc)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MIN_BUFFER_BYTES",
     "CollectiveSenderSpec",
     "NamedTensor",
     "RefitResult",
@@ -20,10 +21,12 @@ __all__ = [
     "TensorSpec",
     "WeightVersion",
     "WorkerOutcome",
+    "checked_buffer_size",
     "dtype_name",
 ]
 
-_MiB = 1024 * 1024
+MIN_BUFFER_BYTES = 1024 * 1024
+"""The smallest packed bucket a collective receiver takes (1 MiB)."""
 
 
 def dtype_name(dtype: object) -> str:
@@ -106,6 +109,20 @@ class WeightVersion:
             raise ValueError(f"weight version must increase: {self.value} -> {new.value}")
 
 
+def checked_buffer_size(buffer_size_bytes: int, what: str = "buffer_size_bytes") -> int:
+    """``buffer_size_bytes`` if a collective receiver takes it as its bucket size.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below :data:`MIN_BUFFER_BYTES`.
+    """
+    if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int):
+        raise TypeError(f"{what} must be an int, got {buffer_size_bytes!r}")
+    if buffer_size_bytes < MIN_BUFFER_BYTES:
+        raise ValueError(f"{what} must be >= {MIN_BUFFER_BYTES} (1 MiB), got {buffer_size_bytes}")
+    return buffer_size_bytes
+
+
 @dataclass(frozen=True)
 class CollectiveSenderSpec:
     """Packing geometry declared by a collective receiver.
@@ -123,15 +140,18 @@ class CollectiveSenderSpec:
     def __post_init__(self) -> None:
         if not self.peer:
             raise ValueError("peer must be named")
-        if self.buffer_size_bytes < _MiB:
-            raise ValueError(f"buffer_size_bytes must be >= 1 MiB, got {self.buffer_size_bytes}")
+        checked_buffer_size(self.buffer_size_bytes)
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers must be >= 1, got {self.num_buffers}")
 
 
 @dataclass(frozen=True)
 class WorkerOutcome:
-    """How one engine worker ended a refit."""
+    """How one engine worker ended a refit.
+
+    In a refit that returned (rather than raised), ``ok`` False means the engine was told to
+    switch but has not confirmed it yet: see :attr:`RefitResult.engines_to_switch`.
+    """
 
     worker: str
     ok: bool
@@ -165,6 +185,13 @@ class RefitResult:
     def ok(self) -> bool:
         """True when every worker succeeded."""
         return all(w.ok for w in self.workers)
+
+    @property
+    def engines_to_switch(self) -> tuple[str, ...]:
+        """Engines the refit committed on but that did not confirm they serve ``version`` yet
+        (a relay frozen after it prepared: it commits by itself once it runs again). Empty
+        when every engine serves it; ``WeightSynchronizer.wait_for_switch`` waits for them."""
+        return tuple(w.worker for w in self.workers if not w.ok)
 
     @property
     def effective_gbps(self) -> float:

@@ -2,7 +2,7 @@
 
 Each group rendezvouses over its own TCPStore (rank 0 hosts it on the given port, as vLLM's
 stateless groups do), warms up with a one-element all-reduce, and runs every call under the
-caller's :class:`~refit_core.Deadline`: the remaining time is passed to calls that take a
+caller's :class:`~refit_core.backend.Deadline`: the remaining time is passed to calls that take a
 timeout (gloo) and a watchdog aborts the communicator where abort releases calls (NCCL).
 A call that does not complete aborts the group; every later call raises
 :class:`~refit_core.RefitAbortedError` naming that first cause. Store keys and warm-up follow

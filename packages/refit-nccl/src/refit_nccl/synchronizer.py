@@ -34,7 +34,15 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import CollectiveSenderSpec, Deadline, Gathered, Participant, gather
+from refit_core.backend import (
+    CollectiveSenderSpec,
+    Deadline,
+    Gathered,
+    Participant,
+    check_field_types,
+    checked_buffer_size,
+    gather,
+)
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
@@ -90,6 +98,11 @@ class CollectiveOptions:
     status_timeout_s: float = 10.0
     group_name: str = "refit"
     communicator_in_child: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.buffer_size_bytes is not None:
+            checked_buffer_size(self.buffer_size_bytes, "CollectiveOptions.buffer_size_bytes")
 
 
 @dataclass(frozen=True)
@@ -517,7 +530,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- fleet status and failures -----------------------------------------------------
 
-    def _fleet_status(
+    def fleet_status(
         self,
         deadline: Deadline,
         *,
@@ -539,7 +552,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
         return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         group = self._group
         return None if group is None else frozenset(group.membership.shard_indices)
 
@@ -561,7 +574,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if target is not None:
             # Engines that did not answer the refit are not asked again (frozen ones would
             # hold the error back); the others answer at once.
-            fleet = self._fleet_status(
+            fleet = self.fleet_status(
                 Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
             )
             engines = _merged(

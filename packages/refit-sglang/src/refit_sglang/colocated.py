@@ -25,7 +25,7 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import Deadline, PolicyLike
+from refit_core.backend import Deadline, PolicyLike, check_field_types
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import (
     LIFECYCLE_ROUTES,
@@ -73,7 +73,8 @@ class ColocatedOptions:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        check_pause_mode(self.pause_mode)
+        check_pause_mode(self.pause_mode)  # first: in_place has a reason of its own
+        check_field_types(self)
         if self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes}")
 

@@ -11,8 +11,10 @@ package and imports it only when a command runs, so ``refit --help`` loads nothi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +27,8 @@ def _version(text: str) -> int | None:
 
 
 def _add_serve(parser: argparse.ArgumentParser) -> None:
+    from refit_zmq.relay.wire.tuning import RelayTuning
+
     tensors = parser.add_mutually_exclusive_group(required=True)
     tensors.add_argument("--shapes", help='random tensors: "name=512x256:bfloat16,..."')
     tensors.add_argument("--safetensors", help="the tensors of a safetensors file")
@@ -35,27 +39,49 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="tcp://127.0.0.1:*", help="where the relay listens")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="the relay's timeout")
     parser.add_argument("--api-key-env", default=None, help="variable holding the API key")
-    for option in _TUNING:
+    described = _attributes(RelayTuning.__doc__ or "")
+    for option in dataclasses.fields(RelayTuning):
         parser.add_argument(
-            f"--{option.replace('_', '-')}", type=int, help="default: RelayTuning's"
+            f"--{option.name.replace('_', '-')}",
+            type=type(option.default),
+            default=option.default,
+            help=described.get(option.name, ""),
         )
     parser.set_defaults(handler=_serve)
 
 
-_TUNING = ("fanout", "chunk_bytes", "max_inflight_bytes")
-"""The RelayTuning fields ``serve`` takes from the command line."""
+def _attributes(docstring: str) -> dict[str, str]:
+    """``name -> text`` of the ``Attributes:`` section of a Google-style docstring."""
+    described: dict[str, str] = {}
+    name = ""
+    for line in docstring.partition("Attributes:")[2].splitlines():
+        entry = re.fullmatch(r"\s{8}(\w+): (.*)", line)
+        if entry:
+            name = entry[1]
+            described[name] = entry[2]
+        elif name and line.strip():
+            described[name] += " " + line.strip()
+    return described
 
 
 def _serve(args: argparse.Namespace) -> int:
     from refit_zmq.relay.launch import RelayProcess, parse_shapes, random_state, read_safetensors
     from refit_zmq.relay.wire.tuning import RelayTuning
 
-    if args.shapes is not None:
-        tensors = random_state(parse_shapes(args.shapes), args.seed)
-    else:
-        tensors = read_safetensors(args.safetensors)
-    given = {name: getattr(args, name) for name in _TUNING if getattr(args, name) is not None}
-    tuning = RelayTuning(**given)
+    try:
+        tuning = RelayTuning(
+            **{
+                option.name: getattr(args, option.name)
+                for option in dataclasses.fields(RelayTuning)
+            }
+        )
+        if args.shapes is not None:
+            tensors = random_state(parse_shapes(args.shapes), args.seed)
+        else:
+            tensors = read_safetensors(args.safetensors)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"refit relay serve: {exc}\n")
+        return 2
     process = RelayProcess(args.bind, args.version, args.timeout_s, args.api_key_env, tuning)
     return process.serve(tensors, sys.stdout)
 
@@ -94,8 +120,13 @@ def _status(args: argparse.Namespace) -> int:
 
 def _add_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="relay_command", metavar="ACTION", required=True)
-    _add_serve(commands.add_parser("serve", help="run one relay over given tensors"))
-    _add_status(commands.add_parser("status", help="read relays' status (read-only)"))
+    shown = argparse.ArgumentDefaultsHelpFormatter
+    _add_serve(
+        commands.add_parser("serve", help="run one relay over given tensors", formatter_class=shown)
+    )
+    _add_status(
+        commands.add_parser("status", help="read relays' status (read-only)", formatter_class=shown)
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

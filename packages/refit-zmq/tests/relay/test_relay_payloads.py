@@ -120,12 +120,12 @@ def test_corrupted_body_is_refused_and_nothing_applied(
 ) -> None:
     before = held_digests(coordinator)
     payload = _payloads(trainer, seed=3)[0]
-    corrupt = bytearray(payload.to_bytes())
-    corrupt[len(corrupt) // 2] ^= 0x40
+    frames = [bytearray(memoryview(frame).cast("B")) for frame in payload.frames]
+    frames[-1][len(frames[-1]) // 2] ^= 0x40  # one bit of the values, frames as sent
     transfer_id = new_transfer_id(trainer.version + 1)
     with _client(keyed_relay) as client:
         with pytest.raises(ChecksumMismatchError, match="CHECKSUM"):
-            _send(client, transfer_id, 0, payload, body=bytes(corrupt))
+            _send(client, transfer_id, 0, payload, body=[bytes(f) for f in frames])
         with pytest.raises(ChecksumMismatchError, match="declared"):
             _send(client, transfer_id, 1, payload, checksum="0" * 32)
     status = next(iter(coordinator.status().values()))

@@ -21,7 +21,6 @@ from relay_helpers import (
 )
 
 from refit_core import (
-    Deadline,
     EngineState,
     NamedTensor,
     RefitError,
@@ -29,6 +28,7 @@ from refit_core import (
     StaleBaseError,
     StateDictInfo,
 )
+from refit_core.backend import Deadline
 from refit_core.sources import StateDictSource
 from refit_zmq.relay import (
     FlushReport,

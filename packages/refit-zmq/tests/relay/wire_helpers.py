@@ -1,15 +1,20 @@
 """A client of the relay protocol written from its specification alone: plain pyzmq, JSON
-headers built by hand, no API key. Only the payload bytes come from refit's codec."""
+headers built by hand, no API key. Only the payload bytes come from refit's codec; the relay
+it talks to runs in the test's process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
+from relay_helpers import TUNING, digests, make_state
 
 from refit_zmq.codec import DeltaPayload
+from refit_zmq.relay import RelayTuning, TensorReceiver, ZmqSparseRefitServer
 
 PROTOCOL = "refit-zmq/2"
 
@@ -43,9 +48,29 @@ class Wire:
             if reply.get("request_id") == request_id:
                 return reply
 
+    def watch(self, event: int) -> Callable[[float], bool]:
+        """Start watching the socket for a libzmq ``event``; the returned call waits up to its
+        timeout for it."""
+        monitor = self._socket.get_monitor_socket(event)
+
+        def seen(timeout_s: float) -> bool:
+            try:
+                return bool(monitor.poll(int(timeout_s * 1000)))
+            finally:
+                self._socket.disable_monitor()
+                monitor.close()
+
+        return seen
+
     def close(self) -> None:
         self._socket.close()
         self._context.term()
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def payload_ids(transfer_id: str, payload: DeltaPayload) -> dict[str, Any]:
@@ -93,3 +118,36 @@ def stream(
     for offset, chunk in chunks:
         wire.send("DATA", chunk=chunk, offset=offset, **ids)
     return wire.reply()
+
+
+@contextlib.contextmanager
+def serving_relay(
+    tuning: RelayTuning = TUNING, *, configure: bool = True, timeout_s: float = 30.0
+) -> Iterator[tuple[ZmqSparseRefitServer, str]]:
+    """A relay (no API key) over ``make_state(91)`` at version 0, and its address; configured
+    as a tree of itself alone unless ``configure`` is False."""
+    server = ZmqSparseRefitServer(
+        TensorReceiver(make_state(91), version=0),
+        api_key_env_var=None,
+        timeout_s=timeout_s,
+        tuning=tuning,
+    )
+    address = server.start()
+    if configure:
+        server.configure_tree([address], own_address=address)
+    try:
+        yield server, address
+    finally:
+        server.close()
+
+
+def untouched(server: ZmqSparseRefitServer) -> bool:
+    """Nothing applied: the receiver holds ``make_state(91)`` at version 0, nothing open."""
+    status = server.status(digests=True)
+    return (status.version, status.open, status.digests) == (0, None, digests(make_state(91)))
+
+
+def nack(reply: dict[str, Any], code: str, text: str) -> None:
+    """``reply`` is a NACK of ``code`` whose message says ``text``."""
+    assert (reply["kind"], reply["code"]) == ("NACK", code), reply
+    assert text in reply["message"], reply["message"]

@@ -37,7 +37,14 @@ from refit_lab.bench.deltas import (
     state_bytes,
     uniform_case,
 )
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info, timeit
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    machine_info,
+    rate_fields,
+    timeit,
+)
 from refit_lab.bench.references import (
     Memcpy,
     nemo_apply,
@@ -210,21 +217,23 @@ def measure_case(
     refit = samples["refit"]
     rows: list[dict[str, object]] = []
     for name, got in samples.items():
-        encode = PairedRatio.of(got.encode_s, got.memcpy_s, dense)
-        apply = PairedRatio.of(got.apply_s, got.memcpy_s, dense)
+        encode = PairedRatio.of(subject_s=got.encode_s, reference_s=got.memcpy_s, nbytes=dense)
+        apply = PairedRatio.of(subject_s=got.apply_s, reference_s=got.memcpy_s, nbytes=dense)
         rows.append(
             {
                 "case": case,
                 "method": name,
                 "changed_fraction": changed / (dense // 2),
-                "encode_gbps": encode.subject_gbps,
-                "apply_gbps": apply.subject_gbps,
+                **rate_fields("encode_gbps", encode.subject_rounds_gbps),
+                **rate_fields("apply_gbps", apply.subject_rounds_gbps),
                 "wire_bytes": got.wire_bytes,
                 "wire_vs_dense": got.wire_bytes / dense,
                 "encode_vs_memcpy": encode.ratio,
                 "apply_vs_memcpy": apply.ratio,
-                "memcpy_gbps": encode.reference_gbps,
-                "refit_encode_speedup": PairedRatio.of(refit.encode_s, got.encode_s, dense).ratio,
+                **rate_fields("memcpy_gbps", encode.reference_rounds_gbps),
+                "refit_encode_speedup": PairedRatio.of(
+                    subject_s=refit.encode_s, reference_s=got.encode_s, nbytes=dense
+                ).ratio,
                 "bitexact": got.bitexact,
             }
         )

@@ -39,7 +39,13 @@ from refit_lab.bench.deltas import (
     simulate_adamw,
     state_bytes,
 )
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.references import Memcpy
 from refit_zmq.codec import DeltaPayload, apply_payload, fetch_diff
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
@@ -167,39 +173,33 @@ def measure_gpu(
     to_host = encoders["refit_gpu"].tracker.traffic.to_host_bytes
     for encoder in encoders.values():
         encoder.tracker.close()
+
+    def paired(subject: str, reference: str) -> PairedRatio:
+        return PairedRatio.of(
+            subject_s=seconds[subject], reference_s=seconds[reference], nbytes=dense
+        )
+
     rows: list[dict[str, object]] = []
-    for name, took in seconds.items():
-        vs_copy = PairedRatio.of(took, seconds["d2d_copy"], dense)
+    for name in seconds:
+        vs_copy = paired(name, "d2d_copy")
         rows.append(
             {
                 "case": name,
                 "nbytes": dense,
-                "gbps": vs_copy.subject_gbps,
+                **rate_fields("gbps", vs_copy.subject_rounds_gbps),
                 "vs_d2d_copy": vs_copy.ratio,
-                "d2d_copy_gbps": vs_copy.reference_gbps,
             }
         )
-    gpu = seconds["refit_gpu"]
     summary: dict[str, float | bool] = {
-        **PairedRatio.of(gpu, seconds["d2d_copy"], dense).summary(
-            "gpu_encode_fraction_of_d2d_copy"
-        ),
-        **PairedRatio.of(gpu, seconds["torch_ne_nonzero"], dense).summary(
-            "gpu_encode_speedup_vs_torch_ne_nonzero"
-        ),
-        **PairedRatio.of(seconds["refit_gpu_diff"], seconds["d2d_copy"], dense).summary(
-            "gpu_diff_fraction_of_d2d_copy"
-        ),
-        **PairedRatio.of(seconds["refit_gpu_diff"], seconds["torch_ne_nonzero"], dense).summary(
+        **paired("refit_gpu", "d2d_copy").summary("gpu_encode_fraction_of_d2d_copy"),
+        **paired("refit_gpu", "torch_ne_nonzero").summary("gpu_encode_speedup_vs_torch_ne_nonzero"),
+        **paired("refit_gpu_diff", "d2d_copy").summary("gpu_diff_fraction_of_d2d_copy"),
+        **paired("refit_gpu_diff", "torch_ne_nonzero").summary(
             "gpu_diff_speedup_vs_torch_ne_nonzero"
         ),
-        **PairedRatio.of(gpu, seconds["refit_host"], dense).summary(
-            "gpu_encode_speedup_vs_host_path"
-        ),
-        **PairedRatio.of(seconds["refit_gpu_pinned"], seconds["d2d_copy"], dense).summary(
-            "pinned_encode_fraction_of_d2d_copy"
-        ),
-        "gpu_encode_gbps": PairedRatio.of(gpu, gpu, dense).subject_gbps,
+        **paired("refit_gpu", "refit_host").summary("gpu_encode_speedup_vs_host_path"),
+        **paired("refit_gpu_pinned", "d2d_copy").summary("pinned_encode_fraction_of_d2d_copy"),
+        "gpu_encode_gbps": paired("refit_gpu", "d2d_copy").subject_gbps,
         "to_host_fraction": to_host / dense,
         "changed_fraction": changed / (dense // 2),
         "state_bytes": dense,

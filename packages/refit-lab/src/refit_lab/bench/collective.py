@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ from refit_lab.bench.harness import (
     TimingStats,
     gbps,
     machine_info,
+    median_ratio,
+    rate_fields,
 )
 from refit_lab.bench.references import gloo_broadcast_gbps, memcpy_gbps
 from refit_lab.bench.runtime import ChildGroup, Deadline, free_port
@@ -363,17 +366,14 @@ def measure(
         seconds, ok = measure_throughput(ctx, receivers, total, repeats)
         exact = exact and ok
         for key, (subject, against) in RATIOS.items():
-            ratios[key].append(PairedRatio.of(seconds[subject], seconds[against], total))
-        rates = {
-            case: gbps(total, TimingStats.from_samples(times).median_s)
-            for case, times in seconds.items()
-        }
-        for case, rate in {**rates, "flat_reference": reference}.items():
-            vs_flat = (
-                PairedRatio.of(seconds[case], seconds["flat"], total).ratio
-                if case in seconds
-                else rate / rates["flat"]
+            ratios[key].append(
+                PairedRatio.of(
+                    subject_s=seconds[subject], reference_s=seconds[against], nbytes=total
+                )
             )
+        flat = [gbps(total, s) for s in seconds["flat"]]
+        rates = {case: [gbps(total, s) for s in times] for case, times in seconds.items()}
+        for case, rounds in {**rates, "flat_reference": [reference]}.items():
             results.append(
                 {
                     "case": f"{case} x{receivers}",
@@ -382,9 +382,13 @@ def measure(
                     "tensors": TENSORS_PER_LAYER * LAYERS,
                     "bucket_bytes": BUCKET_BYTES if case.startswith("packed") else "",
                     "rank_threads": threads,
-                    "gbps": rate,
-                    "vs_flat": vs_flat,
-                    "vs_memcpy": rate / memcpy,
+                    **rate_fields("gbps", rounds),
+                    "vs_flat": (
+                        median_ratio(rounds, flat)
+                        if case in seconds
+                        else reference / statistics.median(flat)
+                    ),
+                    "vs_memcpy": statistics.median(rounds) / memcpy,
                 }
             )
     summary: dict[str, float | bool] = {"memcpy_gbps": memcpy}

@@ -24,6 +24,7 @@ __all__ = [
     "BenchContext",
     "BenchFn",
     "BenchReport",
+    "PairedRatio",
     "ProgressHook",
     "TimingStats",
     "format_table",
@@ -31,6 +32,8 @@ __all__ = [
     "load_bench",
     "log_progress",
     "machine_info",
+    "median_ratio",
+    "rate_fields",
     "timeit",
     "write_json",
 ]
@@ -229,45 +232,86 @@ def timeit(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> Timing
 class PairedRatio:
     """A subject against its reference, timed in the same interleaved rounds.
 
+    Built only with keywords (:meth:`of`), so the subject and the reference cannot trade
+    places unseen; every ratio a report's summary carries is checked against the rows the
+    bench records (:mod:`refit_lab.bench.ratio_check`).
+
     Attributes:
-        ratio: median over rounds of that round's subject rate / reference rate, so a load
-            that slows one round slows both sides of its ratio.
-        subject_gbps: the subject's median rate.
-        reference_gbps: the reference's median rate (recorded beside every ratio, so a
-            reference slowed by load shows up instead of flattering the ratio).
-        rounds: rounds paired.
+        subject_rounds_gbps: the subject's rate in each round.
+        reference_rounds_gbps: the reference's rate in the same rounds.
     """
 
-    ratio: float
-    subject_gbps: float
-    reference_gbps: float
-    rounds: int
+    subject_rounds_gbps: tuple[float, ...]
+    reference_rounds_gbps: tuple[float, ...]
 
     @classmethod
     def of(
         cls,
+        *,
         subject_s: Sequence[float],
         reference_s: Sequence[float],
         nbytes: int,
         reference_nbytes: int | None = None,
     ) -> PairedRatio:
-        """From per-round seconds of the subject (``nbytes``) and of the reference
-        (``reference_nbytes``, default the same bytes)."""
+        """From per-round seconds of the subject (moving ``nbytes``) and of the reference
+        (moving ``reference_nbytes``, default the same bytes)."""
         if len(subject_s) != len(reference_s) or not subject_s:
             raise ValueError(f"need paired rounds, got {len(subject_s)} and {len(reference_s)}")
         ref_bytes = nbytes if reference_nbytes is None else reference_nbytes
-        subject = [gbps(nbytes, s) for s in subject_s]
-        reference = [gbps(ref_bytes, s) for s in reference_s]
         return cls(
-            ratio=statistics.median(a / b for a, b in zip(subject, reference, strict=True)),
-            subject_gbps=statistics.median(subject),
-            reference_gbps=statistics.median(reference),
-            rounds=len(subject),
+            subject_rounds_gbps=tuple(gbps(nbytes, s) for s in subject_s),
+            reference_rounds_gbps=tuple(gbps(ref_bytes, s) for s in reference_s),
         )
 
-    def summary(self, key: str) -> dict[str, float]:
-        """``{key: ratio, key + "_reference_gbps": reference rate}`` for a report summary."""
-        return {key: self.ratio, f"{key}_reference_gbps": self.reference_gbps}
+    @property
+    def ratio(self) -> float:
+        """How many times faster the subject is: the median over rounds of that round's
+        subject rate / reference rate, so a load that slows one round slows both sides of
+        its ratio."""
+        return median_ratio(self.subject_rounds_gbps, self.reference_rounds_gbps)
+
+    @property
+    def time_ratio(self) -> float:
+        """How many times longer the subject takes (for the same bytes): the median over
+        rounds of reference rate / subject rate."""
+        return median_ratio(self.reference_rounds_gbps, self.subject_rounds_gbps)
+
+    @property
+    def subject_gbps(self) -> float:
+        """The subject's median rate."""
+        return statistics.median(self.subject_rounds_gbps)
+
+    @property
+    def reference_gbps(self) -> float:
+        """The reference's median rate (recorded beside every ratio, so a reference slowed by
+        load shows up instead of flattering the ratio)."""
+        return statistics.median(self.reference_rounds_gbps)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds paired."""
+        return len(self.subject_rounds_gbps)
+
+    def summary(self, key: str, *, time: bool = False) -> dict[str, float]:
+        """``{key: ratio, key + "_reference_gbps": reference rate}`` for a report summary
+        (``time``: the :attr:`time_ratio`)."""
+        return {
+            key: self.time_ratio if time else self.ratio,
+            f"{key}_reference_gbps": self.reference_gbps,
+        }
+
+
+def median_ratio(subjects: Sequence[float], references: Sequence[float]) -> float:
+    """The median over paired rounds of subject / reference."""
+    if len(subjects) != len(references) or not subjects:
+        raise ValueError(f"need paired rounds, got {len(subjects)} and {len(references)}")
+    return statistics.median(s / r for s, r in zip(subjects, references, strict=True))
+
+
+def rate_fields(key: str, rounds_gbps: Sequence[float]) -> dict[str, object]:
+    """A result row's record of one measured rate: ``{key: median, key + "_rounds": [...]}``
+    (the per-round rates the summary's ratios are checked against)."""
+    return {key: statistics.median(rounds_gbps), f"{key}_rounds": list(rounds_gbps)}
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -286,10 +330,11 @@ def _cell(value: object) -> str:
 
 
 def format_table(report: BenchReport) -> str:
-    """The report as a plain-text table: one row per result, then the summary."""
+    """The report as a plain-text table: one row per result (without the per-round
+    ``*_rounds`` lists, which stay in the JSON), then the summary."""
     columns: list[str] = []
     for result in report.results:
-        columns.extend(key for key in result if key not in columns)
+        columns.extend(key for key in result if key not in columns and not key.endswith("_rounds"))
     rows = [columns, *[[_cell(r.get(c, "")) for c in columns] for r in report.results]]
     lines = [f"bench {report.bench} ({'quick' if report.quick else 'full'})"]
     lines += align_columns(rows)

@@ -44,6 +44,7 @@ from refit_lab.bench.harness import (
     BenchReport,
     BenchUnavailableError,
     machine_info,
+    median_ratio,
 )
 from refit_lab.reference_engine import ReferenceModelConfig, checkpoint_tensor_specs
 from refit_lab.serving_load import ServingCounts, ServingLoad
@@ -334,6 +335,7 @@ def _report(
         results.append(
             {
                 "case": f"round {record.round + 1} {record.mode}",
+                "mode": record.mode,
                 "version": record.version,
                 "engines": sizes.engines,
                 "nbytes": nbytes,
@@ -351,19 +353,27 @@ def _report(
     def median(key: str, mode: str) -> float:
         return statistics.median(r[mode][key] for r in rounds)
 
-    def paired(key: str, subject: str, against: str, against_key: str | None = None) -> float:
-        other = against_key or key
-        return statistics.median(r[subject][key] / r[against][other] for r in rounds)
+    def paired(*, subject: tuple[str, str], reference: tuple[str, str]) -> float:
+        """The median over rounds of ``round[mode][key]`` of the subject over the reference's,
+        each given as ``(mode, key)``."""
+        return median_ratio(
+            [r[subject[0]][subject[1]] for r in rounds],
+            [r[reference[0]][reference[1]] for r in rounds],
+        )
 
     summary: dict[str, float | bool] = {
-        "pause_fraction_of_stop_the_world": paired("pause_ms", "staged", "stop_the_world"),
+        "pause_fraction_of_stop_the_world": paired(
+            subject=("staged", "pause_ms"), reference=("stop_the_world", "pause_ms")
+        ),
         "staged_pause_ms": median("pause_ms", "staged"),
         "stop_the_world_pause_ms": median("pause_ms", "stop_the_world"),
-        "token_gap_fraction_of_stop_the_world": paired("token_gap_ms", "staged", "stop_the_world"),
+        "token_gap_fraction_of_stop_the_world": paired(
+            subject=("staged", "token_gap_ms"), reference=("stop_the_world", "token_gap_ms")
+        ),
         "staged_token_gap_ms": median("token_gap_ms", "staged"),
         "stop_the_world_token_gap_ms": median("token_gap_ms", "stop_the_world"),
         "tokens_during_staging_fraction": paired(
-            "moving_tokens_per_s", "staged", "staged", "quiet_tokens_per_s"
+            subject=("staged", "moving_tokens_per_s"), reference=("staged", "quiet_tokens_per_s")
         ),
         "staging_tokens_per_s": median("moving_tokens_per_s", "staged"),
         "no_refit_tokens_per_s": median("quiet_tokens_per_s", "staged"),

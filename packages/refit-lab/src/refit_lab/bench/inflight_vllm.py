@@ -38,7 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    BenchUnavailableError,
+    machine_info,
+    median_ratio,
+)
 from refit_lab.reference_engine import ReferenceModelConfig
 
 __all__ = ["FULL", "MODES", "QUICK", "ROWS", "STREAMS", "Sizes", "measure", "run"]
@@ -347,6 +353,8 @@ def _report(
         results.append(
             {
                 "case": f"{refit.row} round {refit.round + 1} {refit.mode}",
+                "row": refit.row,
+                "mode": refit.mode,
                 "version": refit.version,
                 "refit_s": refit.finished - refit.started,
                 "moving_s": refit.moved - refit.started,
@@ -356,8 +364,9 @@ def _report(
     summary: dict[str, float | bool] = {}
     for name in arrivals:
         mine = [r for (row_name, _), r in rounds.items() if row_name == name]
-        staged, stopped = ("staged", "pause_ms"), ("stop_the_world", "pause_ms")
-        summary[f"{name}_pause_fraction_of_stop_the_world"] = _median_ratio(mine, staged, stopped)
+        summary[f"{name}_pause_fraction_of_stop_the_world"] = _median_ratio(
+            mine, subject=("staged", "pause_ms"), reference=("stop_the_world", "pause_ms")
+        )
         summary[f"{name}_staged_pause_ms"] = statistics.median(
             r["staged"]["pause_ms"] for r in mine
         )
@@ -365,10 +374,12 @@ def _report(
             r["stop_the_world"]["pause_ms"] for r in mine
         )
         summary[f"{name}_token_gap_fraction_of_stop_the_world"] = _median_ratio(
-            mine, ("staged", "token_gap_ms"), ("stop_the_world", "token_gap_ms")
+            mine, subject=("staged", "token_gap_ms"), reference=("stop_the_world", "token_gap_ms")
         )
         summary[f"{name}_tokens_during_staging_fraction"] = _median_ratio(
-            mine, ("staged", "moving_tokens_per_s"), ("staged", "quiet_tokens_per_s")
+            mine,
+            subject=("staged", "moving_tokens_per_s"),
+            reference=("staged", "quiet_tokens_per_s"),
         )
     summary["requests_submitted"] = submitted
     summary["requests_lost"] = lost
@@ -383,8 +394,13 @@ def _report(
 
 def _median_ratio(
     rounds: Sequence[dict[str, dict[str, float]]],
+    *,
     subject: tuple[str, str],
-    against: tuple[str, str],
+    reference: tuple[str, str],
 ) -> float:
-    """The median over ``rounds`` of ``round[mode][key]`` of ``subject`` over ``against``."""
-    return statistics.median(r[subject[0]][subject[1]] / r[against[0]][against[1]] for r in rounds)
+    """The median over ``rounds`` of ``round[mode][key]`` of the subject over the reference's,
+    each given as ``(mode, key)``."""
+    return median_ratio(
+        [r[subject[0]][subject[1]] for r in rounds],
+        [r[reference[0]][reference[1]] for r in rounds],
+    )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import tempfile
 import time
 import uuid
@@ -40,7 +39,14 @@ import torch
 
 from refit_core.sources import StateDictSource
 from refit_lab.bench.copy_pipeline import CopyPipeline
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    gbps,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.references import Memcpy, MiB
 from refit_lab.bench.relay import engine_config, state_bytes
 from refit_lab.bench.runtime import ChildGroup, Deadline, torch_threads
@@ -138,9 +144,9 @@ def measure(ctx: BenchContext, sizes: Sizes) -> BenchReport:
     exact = digests == state_digest(state.items())
     ctx.progress("ipc done", 1.0)
     results: list[dict[str, object]] = [
-        _row("memcpy", total, memcpy_s),
-        _row("copy_pipeline", total, pipeline_s, buffer_bytes=sizes.buffer_bytes),
-        _row("ipc", moved, ipc_s, buffer_bytes=sizes.buffer_bytes, tensors=len(state)),
+        result_row("memcpy", total, memcpy_s),
+        result_row("copy_pipeline", total, pipeline_s, buffer_bytes=sizes.buffer_bytes),
+        result_row("ipc", moved, ipc_s, buffer_bytes=sizes.buffer_bytes, tensors=len(state)),
     ]
     return BenchReport(
         bench="ipc",
@@ -157,11 +163,11 @@ def _seconds(work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def _row(case: str, nbytes: int, seconds: list[float], **extra: object) -> dict[str, object]:
-    """A result row: the case's per-round seconds (round ``i`` of every row ran together)
-    and its median rate."""
-    rate = nbytes / statistics.median(seconds) / 1e9
-    return {"case": case, "nbytes": nbytes, "gbps": rate, "round_s": seconds, **extra}
+def result_row(case: str, nbytes: int, seconds: list[float], **extra: object) -> dict[str, object]:
+    """A result row: the case's per-round seconds (round ``i`` of every row ran together),
+    its rate in each round and their median."""
+    rates = rate_fields("gbps", [gbps(nbytes, s) for s in seconds])
+    return {"case": case, "nbytes": nbytes, **rates, "round_s": seconds, **extra}
 
 
 def summarize(results: list[dict[str, object]]) -> dict[str, float]:
@@ -173,9 +179,9 @@ def summarize(results: list[dict[str, object]]) -> dict[str, float]:
 
     def paired(subject: str, reference: str) -> PairedRatio:
         return PairedRatio.of(
-            _floats(rows[subject]["round_s"]),
-            _floats(rows[reference]["round_s"]),
-            int(str(rows[subject]["nbytes"])),
+            subject_s=_floats(rows[subject]["round_s"]),
+            reference_s=_floats(rows[reference]["round_s"]),
+            nbytes=int(str(rows[subject]["nbytes"])),
             reference_nbytes=int(str(rows[reference]["nbytes"])),
         )
 

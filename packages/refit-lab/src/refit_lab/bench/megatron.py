@@ -18,7 +18,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.runtime import ChildGroup, Deadline, free_port
 
 if TYPE_CHECKING:
@@ -172,7 +178,9 @@ def run(ctx: BenchContext) -> BenchReport:
         plan = _plan(case, config)
         seconds, flat_seconds, ok = _measure(ctx, case, plan, repeats)
         exact = exact and ok
-        vs_flat = PairedRatio.of(flat_seconds, seconds, plan.sent_bytes)
+        vs_flat = PairedRatio.of(
+            subject_s=seconds, reference_s=flat_seconds, nbytes=plan.sent_bytes
+        )
         ratios.append(
             (
                 plan.sent_bytes / plan.lower_bound_bytes if plan.lower_bound_bytes else 1.0,
@@ -190,14 +198,14 @@ def run(ctx: BenchContext) -> BenchReport:
                 "naive_bytes": plan.naive_bytes,
                 "copies": len(plan.copies),
                 "reshard_s": statistics.median(seconds),
-                "gbps": vs_flat.reference_gbps,
-                "flat_gbps": vs_flat.subject_gbps,
-                "time_vs_flat_broadcast": vs_flat.ratio,
+                **rate_fields("gbps", vs_flat.subject_rounds_gbps),
+                **rate_fields("flat_gbps", vs_flat.reference_rounds_gbps),
+                "time_vs_flat_broadcast": vs_flat.time_ratio,
                 "bitexact": ok,
             }
         )
-        logger.info("megatron %s: %.2fx a flat broadcast's time", case, vs_flat.ratio)
-    worst = max(ratios, key=lambda r: r[2].ratio)[2]
+        logger.info("megatron %s: %.2fx a flat broadcast's time", case, vs_flat.time_ratio)
+    worst = max(ratios, key=lambda r: r[2].time_ratio)[2]
     ctx.progress("megatron done", 1.0)
     return BenchReport(
         bench="megatron",
@@ -207,8 +215,7 @@ def run(ctx: BenchContext) -> BenchReport:
         summary={
             "bytes_vs_lower_bound": max(r[0] for r in ratios),
             "bytes_fraction_of_naive": max(r[1] for r in ratios),
-            "time_vs_flat_broadcast": worst.ratio,
-            "time_vs_flat_broadcast_reference_gbps": worst.subject_gbps,
+            **worst.summary("time_vs_flat_broadcast", time=True),
             "bitexact": exact,
         },
     )

@@ -57,7 +57,14 @@ from refit_core import WeightVersion
 from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_lab.bench.deltas import Trajectory, calibrate_lr
-from refit_lab.bench.harness import BenchContext, BenchReport, PairedRatio, machine_info
+from refit_lab.bench.harness import (
+    BenchContext,
+    BenchReport,
+    PairedRatio,
+    gbps,
+    machine_info,
+    rate_fields,
+)
 from refit_lab.bench.raw_zmq import LoopbackStream, ZmqStreamSender, summarize, zmq_receiver
 from refit_lab.bench.references import MiB
 from refit_lab.bench.runtime import ChildGroup, Deadline
@@ -511,18 +518,22 @@ def produce(
 
 
 def _median_rows(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """One result row from the timed repeats of a case (median seconds)."""
+    """One result row from the timed repeats of a case (median seconds, the dense bytes'
+    rate in each round and its median)."""
     seconds = [float(r["seconds"]) for r in rows]
     row = {**rows[0], **extra, "seconds": statistics.median(seconds), "repeats": len(rows)}
     row.pop("reference_s", None)
-    row["gbps_dense"] = row["dense_bytes"] / row["seconds"] / 1e9
+    row.update(rate_fields("gbps_dense", [gbps(row["dense_bytes"], s) for s in seconds]))
     return row
 
 
 def _paired(rows: list[dict[str, Any]], nbytes: int) -> PairedRatio:
-    """The rows' refits (subject) against the reference rounds run right before each."""
+    """The rows' refits (subject, at ``nbytes``: the dense bytes they bring the receivers
+    to) against the raw rounds run right before each (the reference)."""
     return PairedRatio.of(
-        [float(r["reference_s"]) for r in rows], [float(r["seconds"]) for r in rows], nbytes
+        subject_s=[float(r["seconds"]) for r in rows],
+        reference_s=[float(r["reference_s"]) for r in rows],
+        nbytes=nbytes,
     )
 
 
@@ -573,18 +584,22 @@ def loopback(
     work_s = receiver_extra_s(config, repeats)
     rows = produced["rows"]
     timed_dense = rows[1 : repeats + 1]  # the first resync (and raw round) warms up
-    ours = {**_median_rows(timed_dense), "round_s": [float(r["seconds"]) for r in timed_dense]}
+    ours = _median_rows(timed_dense)
     sparse_row = _median_rows(rows[repeats + 1 :])
+    dense_s = [float(r["seconds"]) for r in timed_dense]
     raw_s = [float(r["reference_s"]) for r in timed_dense]
+    bare_s = ceiling_s[1:]
     raw = _stream_row("loopback_raw_zmq", nbytes, raw_s, cpu_s=raw_stream.cpu_s)
-    bare = _stream_row("loopback_transactional_zmq", nbytes, ceiling_s[1:])
+    bare = _stream_row("loopback_transactional_zmq", nbytes, bare_s)
     work = {"case": "loopback_receiver_extra", "dense_bytes": nbytes, "seconds": work_s}
     work.update(cpu_s=work_s, repeats=repeats)
     cores = len(os.sched_getaffinity(0))
     bound_s = max(raw_stream.seconds, (raw_stream.cpu_s + work_s) / cores)
     results = [ours, sparse_row, raw, bare, work]
     summary: dict[str, float | bool] = {
-        **loopback_ratios(results),
+        **_ratio(dense_s, raw_s, nbytes).summary("transport_efficiency_vs_raw_zmq"),
+        **_ratio(bare_s, raw_s, nbytes).summary("ceiling_vs_raw_zmq"),
+        **_ratio(dense_s, bare_s, nbytes).summary("transport_efficiency_vs_ceiling"),
         "transport_efficiency_cpu_bound": raw_stream.seconds / bound_s,
         "loopback_sparse_1pct_gbps_dense": sparse_row["gbps_dense"],
         "loopback_bitexact": produced["bitexact"],
@@ -593,32 +608,16 @@ def loopback(
 
 
 def _stream_row(case: str, nbytes: int, round_s: list[float], **extra: Any) -> dict[str, Any]:
-    """A reference stream's row: its per-round seconds (paired with the refits') and median."""
-    seconds = statistics.median(round_s)
-    row = {"case": case, "dense_bytes": nbytes, "wire_bytes": nbytes, "seconds": seconds}
-    row.update(gbps_dense=nbytes / seconds / 1e9, repeats=len(round_s), round_s=round_s)
+    """A reference stream's row: its median seconds and its rate in each round (paired with
+    the refits')."""
+    row = {"case": case, "dense_bytes": nbytes, "wire_bytes": nbytes}
+    row.update(seconds=statistics.median(round_s), repeats=len(round_s))
+    row.update(rate_fields("gbps_dense", [gbps(nbytes, s) for s in round_s]))
     return {**row, **extra}
 
 
-LOOPBACK_RATIOS = {
-    "transport_efficiency_vs_raw_zmq": ("loopback_dense", "loopback_raw_zmq"),
-    "ceiling_vs_raw_zmq": ("loopback_transactional_zmq", "loopback_raw_zmq"),
-    "transport_efficiency_vs_ceiling": ("loopback_dense", "loopback_transactional_zmq"),
-}
-"""Loopback summary ratios: (subject, reference) cases, paired round by round. The ceiling is
-the raw stream whose receiver also does what any transactional receiver must (hash every byte,
-keep the overwritten bits, write the new ones): what a relay with no other cost would reach."""
-
-
-def loopback_ratios(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Every loopback ratio from the rows' per-round seconds (``round_s``)."""
-    rows = {row["case"]: row for row in results}
-    summary: dict[str, float] = {}
-    for key, (subject, reference) in LOOPBACK_RATIOS.items():
-        a, b = rows[subject], rows[reference]
-        paired = PairedRatio.of(a["round_s"], b["round_s"], a["dense_bytes"], b["dense_bytes"])
-        summary.update(paired.summary(key))
-    return summary
+def _ratio(subject_s: list[float], reference_s: list[float], nbytes: int) -> PairedRatio:
+    return PairedRatio.of(subject_s=subject_s, reference_s=reference_s, nbytes=nbytes)
 
 
 def receiver_extra_s(config: ReferenceModelConfig, repeats: int) -> float:
@@ -704,7 +703,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 lan, 1, dense_config, steps, Producing(threads=ctx.threads), deadline, star
             )
         timed = produced["rows"][1:]
-        pairs["shaped_sparse_speedup_vs_dense"] = _paired(timed, dense_bytes)
+        sparse = pairs["shaped_sparse_speedup_vs_dense"] = _paired(timed, dense_bytes)
         raw_s = statistics.median(float(r["reference_s"]) for r in timed)
         rows.append(
             {
@@ -713,6 +712,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 "seconds": raw_s,
                 "dense_bytes": dense_bytes,
                 "wire_bytes": dense_bytes,
+                **rate_fields("gbps_dense", sparse.reference_rounds_gbps),
             }
         )
         rows.append(_median_rows(timed, receivers=1))
@@ -740,9 +740,8 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                 )
             traffic = _traffic(lan, before, receivers)
             timed = produced["rows"][1:]
-            tree_s = [float(r["seconds"]) for r in timed]
             star_s = [float(r["reference_s"]) for r in timed]
-            pairs[f"tree_vs_star_{receivers}"] = PairedRatio.of(star_s, tree_s, tree_bytes)
+            tree = pairs[f"tree_vs_star_{receivers}"] = _paired(timed, tree_bytes)
             exact &= bool(produced["bitexact"])
             rows.append(_median_rows(timed, receivers=receivers, veth_bytes_tree_and_star=traffic))
             rows.append(
@@ -752,6 +751,7 @@ def shaped(ctx: BenchContext, sizes: Sizes) -> tuple[list[dict[str, Any]], dict[
                     "seconds": statistics.median(star_s),
                     "dense_bytes": tree_bytes,
                     "wire_bytes": receivers * tree_bytes,
+                    **rate_fields("gbps_dense", tree.reference_rounds_gbps),
                     "veth_bytes_tree_and_star": traffic,
                 }
             )
@@ -789,11 +789,9 @@ def _shaped_summary(
         )
 
     most = max(int(r["receivers"]) for r in rows)
-    one = pairs["tree_vs_star_1"]
     return {
         **pairs["shaped_sparse_speedup_vs_dense"].summary("shaped_sparse_speedup_vs_dense"),
-        "shaped_tree1_vs_star1": one.ratio,
-        "shaped_tree1_vs_star1_reference_gbps": one.subject_gbps,
+        **pairs["tree_vs_star_1"].summary("shaped_tree1_vs_star1", time=True),
         f"shaped_tree_time_ratio_{most}_vs_1": seconds("shaped_tree_dense", most)
         / seconds("shaped_tree_dense", 1),
         f"shaped_star_time_ratio_{most}_vs_1": seconds("shaped_star_dense", most)

@@ -29,6 +29,7 @@ from refit_lab.bench.harness import (
     PairedRatio,
     gbps,
     machine_info,
+    rate_fields,
     timeit,
 )
 from refit_lab.bench.references import Memcpy
@@ -133,24 +134,28 @@ def run(ctx: BenchContext) -> BenchReport:
         for synchronizer, _ in built.values():
             synchronizer.shutdown()
     exact = {case: receiver.matches(state) for case, (_, receiver) in built.items()}
-    memcpy_s = statistics.median(seconds["memcpy"])
+    memcpy_rates = [gbps(total, s) for s in seconds["memcpy"]]
     results: list[dict[str, object]] = [
-        {"case": "memcpy", "nbytes": total, "gbps": gbps(total, memcpy_s)}
+        {"case": "memcpy", "nbytes": total, **rate_fields("gbps", memcpy_rates)}
     ]
     for case in CASES:
-        vs_memcpy = PairedRatio.of(seconds[case], seconds["memcpy"], total)
+        vs_memcpy = PairedRatio.of(
+            subject_s=seconds[case], reference_s=seconds["memcpy"], nbytes=total
+        )
         results.append(
             {
                 "case": case,
                 "tensors": len(state),
                 "nbytes": total,
                 "seconds": statistics.median(seconds[case]),
-                "gbps": vs_memcpy.subject_gbps,
+                **rate_fields("gbps", vs_memcpy.subject_rounds_gbps),
                 "vs_memcpy": vs_memcpy.ratio,
                 "bitexact": exact[case],
             }
         )
-    speedup = PairedRatio.of(seconds["flattened"], seconds["per_tensor"], total)
+    speedup = PairedRatio.of(
+        subject_s=seconds["flattened"], reference_s=seconds["per_tensor"], nbytes=total
+    )
     ctx.progress("sglang done", 1.0)
     return BenchReport(
         bench="sglang",

@@ -31,7 +31,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from refit_core import EngineReport, EngineState, RefitError, RefitTimeoutError, WorkerError
-from refit_core.backend import Participant, in_thread, method_name, with_engines
+from refit_core.backend import (
+    Participant,
+    checked_buffer_size,
+    in_thread,
+    method_name,
+    with_engines,
+)
 from refit_core.vllm import VllmClient, VllmGate, vllm_client
 from refit_nccl.endpoint import CommitStats
 from refit_nccl.roles import CollectiveEngineRole, CollectiveStagingRole, JoinRequest
@@ -257,7 +263,8 @@ class VllmCollectiveGeneration:
             of the checkpoint per worker), or stream it into the model (no extra memory; an
             engine whose transfer fails after its first bucket stays closed until a complete
             refit).
-        buffer_size_bytes: bucket size every worker declares (None: refit-nccl's default).
+        buffer_size_bytes: bucket size every worker declares, at least 1 MiB
+            (``refit_core.backend.MIN_BUFFER_BYTES``; None: refit-nccl's default, 1 GiB).
         control_timeout_s: bound of calls that carry no deadline of their own.
         grace_s: added to a call's own deadline before vLLM gives up waiting for the workers.
     """
@@ -271,10 +278,10 @@ class VllmCollectiveGeneration:
         control_timeout_s: float = 120.0,
         grace_s: float = 30.0,
     ) -> None:
-        self._shards: dict[int, list[Participant[CollectiveEngineRole]]] = {}
         init: dict[str, Any] = {"staged": staged}
         if buffer_size_bytes is not None:
-            init["buffer_size_bytes"] = buffer_size_bytes
+            init["buffer_size_bytes"] = checked_buffer_size(buffer_size_bytes)
+        self._shards: dict[int, list[Participant[CollectiveEngineRole]]] = {}
         for shard, llm in enumerate(engines):
             client = vllm_client(llm)
             workers = len(

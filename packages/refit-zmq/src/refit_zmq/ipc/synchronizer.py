@@ -19,7 +19,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from refit_core import (
-    Deadline,
     EngineReport,
     RefitAbortedError,
     RefitError,
@@ -29,7 +28,7 @@ from refit_core import (
     WeightSynchronizer,
     WorkerOutcome,
 )
-from refit_core.backend import PolicyLike, with_engines
+from refit_core.backend import Deadline, PolicyLike, check_field_types, with_engines
 from refit_zmq.ipc.links import WorkerLinks
 from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
@@ -53,6 +52,9 @@ class IpcOptions:
 
     buffer_size_bytes: int | None = None
     device: str | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
     def resolve_device(self) -> torch.device:
         """The buffers' device, with a CUDA index."""

@@ -11,6 +11,7 @@ from refit_zmq.sparse.synchronizer import (
     API_KEY_ENV,
     ZmqSparseOptions,
     ZmqSparseWeightSynchronizer,
+    attempt_timeout_s,
 )
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "ZmqProducerPolicy",
     "ZmqSparseOptions",
     "ZmqSparseWeightSynchronizer",
+    "attempt_timeout_s",
     "shard_producers",
 ]

@@ -32,7 +32,7 @@ from refit_core import (
     WorkerError,
     WorkerOutcome,
 )
-from refit_core.backend import Deadline, Participant, gather
+from refit_core.backend import Deadline, Participant, check_field_types, gather
 from refit_zmq.relay import (
     CurveConfig,
     PreparedTransfer,
@@ -92,12 +92,27 @@ class ZmqSparseOptions:
     tuning: RelayTuning = field(default_factory=RelayTuning)
     curve: CurveConfig | None = None
 
+    def __post_init__(self) -> None:
+        check_field_types(self)
+
     @classmethod
     def from_env(cls, *, bucket_size_bytes: int | None = None) -> ZmqSparseOptions:
         """Defaults, with the API key variable and CURVE keys taken from the environment."""
         key_var = API_KEY_ENV if os.environ.get(API_KEY_ENV) else None
         bucket = bucket_size_bytes or cls.bucket_size_bytes
         return cls(api_key_env_var=key_var, bucket_size_bytes=bucket, curve=CurveConfig.from_env())
+
+
+def attempt_timeout_s(options: ZmqSparseOptions, deadline_left_s: float | None) -> float:
+    """How long one attempt of a control request within a refit (the STATUS probe that starts
+    every refit among them) waits for its reply: ``call_timeout_s``, within what the deadline
+    leaves for all ``tuning.retries + 1`` attempts to take at most half of it (at least
+    0.05 s). The README's figures are this function's, at the defaults."""
+    attempts = options.tuning.retries + 1
+    call = options.call_timeout_s
+    if deadline_left_s is None:
+        return call
+    return max(0.05, min(call, deadline_left_s / (2 * attempts)))
 
 
 class ZmqSparseWeightSynchronizer(WeightSynchronizer):
@@ -228,12 +243,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         return [gathered.results[p] for p in producers]
 
     def _call_timeout(self, deadline: Deadline) -> float:
-        """One reply's timeout (the STATUS probe's among them): ``call_timeout_s``, within
-        what the deadline leaves for every attempt of a request to take at most half of it."""
-        retries = self._options.tuning.retries + 1
-        left = deadline.remaining_s()
-        call = self._options.call_timeout_s
-        return call if left is None else max(0.05, min(call, left / (2 * retries)))
+        """One reply's timeout (the STATUS probe's among them), see :func:`attempt_timeout_s`."""
+        return attempt_timeout_s(self._options, deadline.remaining_s())
 
     def _status_timeout(self, deadline: Deadline) -> float:
         """One STATUS reply's timeout when the fleet is asked (``status()``, ``recover()``):
@@ -438,7 +449,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _is_stale(self) -> bool:
         return self._stale
 
-    def _fleet_status(self, deadline: Deadline) -> FleetStatus:
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
         """Every relay's engine, left-out relays included: serving its committed version,
         closed while a transfer holds part of its bytes, or unreachable."""
         relays = list(self._relays())
@@ -452,7 +463,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
     def _close_open_transfers(self, deadline: Deadline) -> None:
         self._control(deadline).close_open_transfers(deadline=deadline)
 
-    def _live_shards(self) -> frozenset[int] | None:
+    def live_shards(self) -> frozenset[int] | None:
         if self._coordinator is None:
             return None
         return frozenset(self._tree_shards().values())

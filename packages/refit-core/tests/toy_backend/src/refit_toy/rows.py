@@ -2,6 +2,8 @@
 
 from refit_core.backend import BackendRow
 
+ON_FAILURE = "exactly its previous version: the engine takes the new bytes only once all arrived"
+
 MEMORY = BackendRow(
     backend="toy",
     topology="colocated",
@@ -10,6 +12,7 @@ MEMORY = BackendRow(
     description="copies the trainer's bytes into an engine in the same process",
     default=True,
     options="refit_toy:ToyOptions",
+    on_failure=ON_FAILURE,
 )
 
 WIRE = BackendRow(
@@ -21,4 +24,5 @@ WIRE = BackendRow(
     default=True,
     options="refit_toy:ToyOptions",
     train_cluster=("get_master_address_and_port",),
+    on_failure=ON_FAILURE,
 )

@@ -5,15 +5,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from refit_core import RefitResult, WeightSynchronizer, WorkerOutcome
-from refit_core.backend import Deadline
+from refit_core import (
+    EngineHealth,
+    EngineReport,
+    EngineState,
+    EngineStatus,
+    FleetStatus,
+    RefitResult,
+    WeightSynchronizer,
+    WorkerError,
+    WorkerOutcome,
+)
+from refit_core.backend import Deadline, check_field_types, with_engines
 
 
 @dataclass(frozen=True)
 class ToyOptions:
-    """How the toy copies: ``chunk_bytes`` per copy step."""
+    """How the toy copies: ``chunk_bytes`` per copy step (at least 1)."""
 
     chunk_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        check_field_types(self)  # a field of the wrong type fails here, not at the first refit
+        if self.chunk_bytes < 1:
+            raise ValueError(f"ToyOptions.chunk_bytes must be >= 1, got {self.chunk_bytes}")
 
 
 class ToyPolicy:
@@ -25,10 +40,20 @@ class ToyPolicy:
 
 @dataclass
 class ToyEngine:
-    """The engine side: what it serves and at which version."""
+    """The engine side: what it serves and at which version; ``broken`` refuses refits."""
 
     weights: dict[str, bytes] = field(default_factory=dict)
     version: int = 0
+    broken: bool = False
+
+    def load(self, weights: dict[str, bytes], version: int) -> None:
+        """Serve ``weights`` at ``version``, all at once."""
+        if self.broken:
+            raise RuntimeError("the engine refuses new weights")
+        self.weights, self.version = weights, version
+
+
+LABEL = "toy engine"
 
 
 class ToySynchronizer(WeightSynchronizer):
@@ -58,7 +83,12 @@ class ToySynchronizer(WeightSynchronizer):
             step = self.options.chunk_bytes
             copied[name] = b"".join(data[i : i + step] for i in range(0, len(data), step))
             deadline.check("copying")
-        self.engine.weights, self.engine.version = copied, version
+        try:
+            self.engine.load(copied, version)
+        except RuntimeError as exc:
+            error = WorkerError(str(exc), worker=LABEL, operation="load")
+            old = EngineReport(0, LABEL, EngineState.OLD, self.engine.version, str(exc))
+            raise with_engines(error, [old]) from exc
         size = sum(len(v) for v in copied.values())
         return RefitResult(
             version=version,
@@ -66,8 +96,14 @@ class ToySynchronizer(WeightSynchronizer):
             total_s=time.monotonic() - started,
             wire_bytes=size,
             dense_bytes=size,
-            workers=(WorkerOutcome("toy engine", True, version),),
+            workers=(WorkerOutcome(LABEL, True, version),),
         )
+
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """The hook behind ``status()`` and ``recover()``: the one engine, asked directly."""
+        deadline.check("asking the engine")
+        serving = EngineStatus(0, LABEL, EngineHealth.SERVING, self.engine.version)
+        return FleetStatus((serving,))
 
     def _shutdown(self) -> None:
         self.engine.weights = {}

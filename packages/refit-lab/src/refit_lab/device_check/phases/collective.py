@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from refit_core import Deadline, RefitAbortedError, RefitTimeoutError
+from refit_core import RefitAbortedError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_lab.device_check.timing import GiB, cuda_gbps
 from refit_lab.ray_cluster import free_port
 from refit_nccl.backend import AbortableProcessGroup, GroupSpec

@@ -27,7 +27,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from refit_core import Deadline, ProtocolError, RefitError
+from refit_core import ProtocolError, RefitError
+from refit_core.backend import Deadline
 from refit_zmq.relay.coordinator.outcome import TransferOutcome, relay_error
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.control import ControlChannel, Reply

@@ -163,7 +163,16 @@ class PayloadIntake:
         staged.route = identity
         body = message.body
         assert body is not None
-        if not staged.write(message.number("offset"), body):
+        try:
+            if len(body) > self._tuning.chunk_bytes:
+                raise ProtocolError(
+                    f"chunk of {len(body)} bytes exceeds the chunk_bytes {self._tuning.chunk_bytes}"
+                    " this relay announced in READY"
+                )
+            if not staged.write(message.number("offset"), body):
+                return
+        except ProtocolError as exc:
+            self._refuse(staged, NackCode.MALFORMED, str(exc))
             return
         if record is not None:
             record.bytes_received += len(body)
@@ -236,6 +245,29 @@ class PayloadIntake:
         self._release_if_done(staged)
         self._progress()
 
+    def _refuse(self, staged: StagedPayload, code: NackCode, text: str) -> None:
+        """Fail a payload because of a chunk, undo it and tell its sender."""
+        logger.warning("relay %s: payload %s refused: %s", self._topology.own, staged.key, text)
+        self._fail_staged(staged, code, text, time.monotonic(), active=True)
+        self._replies.nack(staged.route, code, text, payload_ids(staged.key))
+        self.admit_waiting()
+
+    def _fail_staged(
+        self, staged: StagedPayload, code: str, text: str, now: float, *, active: bool
+    ) -> None:
+        """Record a staged payload's failure and let it go: children stop getting it, the
+        receiver undoes what it wrote (``active``: the failure came with a message)."""
+        key = staged.key
+        record = self._ledger.record(key[0])
+        if record is not None:
+            record.fail(self._failure(code, text, key), local=True)
+            record.settle(now, active=active)
+        for child in self.children.values():
+            child.drop(key.__eq__)
+        staged.applied = True
+        self._staging.release(staged)
+        self._local.drop(staged)
+
     def _failure(
         self, code: str, message: str, key: PayloadKey, relay: str | None = None
     ) -> Failure:
@@ -280,20 +312,11 @@ class PayloadIntake:
         queue_s = QUEUE_TIMEOUTS * self._timeout_s
         stalled, expired = self._staging.idle(now, self._timeout_s, queue_s)
         for staged in stalled:
-            key = staged.key
-            record = self._ledger.record(key[0])
-            if record is not None:
-                text = (
-                    f"payload incomplete ({staged.received} of {staged.total_bytes} bytes) "
-                    f"after {self._timeout_s:.1f} s without a chunk"
-                )
-                record.fail(self._failure("TIMEOUT", text, key), local=True)
-                record.settle(now, active=False)
-            for child in self.children.values():
-                child.drop(key.__eq__)
-            staged.applied = True
-            self._staging.release(staged)
-            self._local.drop(staged)
+            text = (
+                f"payload incomplete ({staged.received} of {staged.total_bytes} bytes) "
+                f"after {self._timeout_s:.1f} s without a chunk"
+            )
+            self._fail_staged(staged, "TIMEOUT", text, now, active=False)
         for pending in expired:
             text = f"no room in staging within {queue_s:.1f} s"
             self._replies.nack(pending.route, NackCode.BUSY, text, payload_ids(pending.key))

@@ -379,8 +379,7 @@ class ZmqSparseRefitServer:
             replies.nack(identity, NackCode.AUTH, str(exc), {}, sign=False)
             return
         except ProtocolError as exc:
-            ids = reply_ids(frames[0]) if frames else {}
-            replies.nack(identity, NackCode.MALFORMED, str(exc), ids)
+            replies.nack(identity, NackCode.MALFORMED, str(exc), reply_ids(frames))
             return
         handlers: dict[Kind, Callable[[bytes, Message], None]] = {
             Kind.BEGIN: parts.intake.on_begin,

@@ -1,7 +1,9 @@
 """Bounded staging of payloads on a relay: admission by byte budget, chunks kept as received.
 
 A chunk is never copied here: the payload keeps the received frame's memory until it is
-applied locally and streamed to every child, and those read the same memory.
+applied locally and streamed to every child, and those read the same memory. Frame 0 (the
+payload's head) is read as it arrives, so that a chunk holding bytes of two frames is refused
+when it arrives rather than after the payload's last byte.
 
 A payload is admitted (its BEGIN answered READY) only when its whole size fits the budget
 and its tree has a free slot in the window, so every chunk of an admitted payload always has
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit_core import ProtocolError
+from refit_zmq.codec import PRELUDE_BYTES, head_length, read_layout
+from refit_zmq.relay.apply.payload_stream import check_chunks, frame_ends
 
 __all__ = ["PayloadKey", "Pending", "StagedPayload", "Staging"]
 
@@ -40,6 +44,9 @@ class StagedPayload:
         chunks: ``(offset, length)`` of every chunk, in arrival order (what forwards stream).
         applied: whether the local apply has finished (either way).
         forwards: children still being streamed to.
+        frame_ends: where every frame ends (payload offsets), once frame 0 arrived and its
+            layout accounts for exactly ``total_bytes``; None before, or for a head that does
+            not (corrupted bytes: the receiver reports those after the last byte).
     """
 
     key: PayloadKey
@@ -57,6 +64,8 @@ class StagedPayload:
     _by_offset: dict[int, tuple[int, memoryview]] = field(default_factory=dict)
     _starts: list[int] = field(default_factory=list)
     _ends: list[int] = field(default_factory=list)
+    frame_ends: list[int] | None = None
+    _head: bytearray | None = field(default_factory=bytearray)
 
     @property
     def complete(self) -> bool:
@@ -72,7 +81,8 @@ class StagedPayload:
         """Store a chunk; False when it repeats one already held (a retry).
 
         Raises:
-            ProtocolError: the chunk overlaps another one differently.
+            ProtocolError: the chunk overlaps another one differently, or holds bytes of two
+                frames (as far as frame 0, once arrived, tells).
         """
         end = offset + len(data)
         if end > self.total_bytes:
@@ -91,7 +101,29 @@ class StagedPayload:
         self._views.append(data)
         self.received += len(data)
         self.last_seen = time.monotonic()
+        if self.frame_ends is None:
+            self._read_head(offset, data)
+        else:
+            check_chunks(self.frame_ends, [(offset, len(data))])
         return True
+
+    def _read_head(self, offset: int, data: memoryview) -> None:
+        """Collect frame 0 from the chunks that continue it; once whole, learn every frame's
+        end and check the chunks so far against them."""
+        head = self._head
+        if head is None or offset != len(head):
+            return
+        head += data
+        try:
+            if len(head) < PRELUDE_BYTES or len(head) < (size := head_length(head)):
+                return
+            ends = frame_ends(read_layout(memoryview(head)[:size]))
+        except ProtocolError:
+            ends = []
+        self._head = None
+        if ends and ends[-1] == self.total_bytes:
+            self.frame_ends = ends
+            check_chunks(ends, self.chunks)
 
     def chunk(self, index: int) -> memoryview:
         """The bytes of chunk number ``index`` (arrival order)."""

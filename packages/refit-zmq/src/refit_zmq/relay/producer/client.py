@@ -18,7 +18,8 @@ from typing import Any
 
 import zmq
 
-from refit_core import AuthenticationError, Deadline, RefitTimeoutError
+from refit_core import AuthenticationError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_zmq.codec.format import BytesLike, DeltaPayload
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.curve import CurveConfig

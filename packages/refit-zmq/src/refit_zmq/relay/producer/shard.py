@@ -5,15 +5,22 @@ A :class:`ShardProducer` lives in the trainer rank's process (a Ray actor servin
 The controller reaches it as a ``Participant[ShardProducerRole]``, sends a
 :class:`StreamOrder` per transfer, and once the coordinator decided, tells it to commit or
 abort its tracker's baseline. Everything it receives is plain, picklable data.
+
+One stream at a time uses the tracker. A stream the controller gave up on (its refit timed
+out while it was still encoding) may still be running when the next order arrives: the new
+stream stops it (at its next tensor or payload), waits for it to abort its own pending refit,
+and only then starts, so no refit's encoding is ever seen by the next.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from refit_core import RefitTimeoutError
 from refit_core.backend import Deadline, PolicyLike
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay.producer.streaming import stream_sparse_delta_payloads_via_zmq
@@ -106,6 +113,9 @@ class ShardProducer(ShardProducerRole):
     def __init__(self, policy: PolicyLike) -> None:
         self._policy = policy
         self._tracker: DeltaCompressionTracker | None = None
+        self._streaming = threading.Lock()
+        self._orders = threading.Lock()
+        self._stops: list[threading.Event] = []
 
     def refit_init(self, config: TrackerConfig) -> None:
         """(Re)build this rank's tracker for shard ``config.shard_rank`` of ``shard_count``;
@@ -131,6 +141,36 @@ class ShardProducer(ShardProducerRole):
             ``payloads``, ``tensors``, ``changed_elements``, ``wire_bytes``, ``dense_bytes``.
         """
         tracker = self._require()
+        deadline = Deadline.never()
+        if order.deadline_s is not None:
+            deadline = Deadline(time.monotonic() + order.deadline_s)
+        stop = threading.Event()
+        with self._orders:  # every earlier stream still running or waiting stops
+            for earlier in self._stops:
+                earlier.set()
+            self._stops.append(stop)
+        left = deadline.remaining_s()
+        try:
+            if not self._streaming.acquire(timeout=-1 if left is None else left):
+                raise RefitTimeoutError(
+                    f"producer of shard {tracker.config.shard_rank}: the stream of an earlier "
+                    f"refit did not stop by the deadline of {order.transfer_id}"
+                )
+            try:
+                return self._stream(tracker, order, deadline, stop)
+            finally:
+                self._streaming.release()
+        finally:
+            with self._orders:
+                self._stops.remove(stop)
+
+    def _stream(
+        self,
+        tracker: DeltaCompressionTracker,
+        order: StreamOrder,
+        deadline: Deadline,
+        stop: threading.Event,
+    ) -> dict[str, int]:
         if tracker.pending is not None:
             logger.warning(
                 "producer of shard %d: dropping the unsettled refit to %s (its transfer failed)",
@@ -139,9 +179,6 @@ class ShardProducer(ShardProducerRole):
             )
             tracker.abort()
         options = order.options
-        deadline = Deadline.never()
-        if order.deadline_s is not None:
-            deadline = Deadline(time.monotonic() + order.deadline_s)
         return stream_sparse_delta_payloads_via_zmq(
             self._policy.weight_source().iter_tensors(),
             delta_tracker=tracker,
@@ -157,6 +194,7 @@ class ShardProducer(ShardProducerRole):
             tuning=options.tuning,
             curve=options.curve,
             deadline=deadline,
+            stop=stop,
         )
 
     def refit_digests(self) -> dict[str, int]:

@@ -9,13 +9,14 @@ another relay, so the trees (and their inner relays) differ.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from refit_core import NamedTensor, WeightVersion
+from refit_core import NamedTensor, RefitAbortedError, WeightVersion
 from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
@@ -46,6 +47,7 @@ def stream_sparse_delta_payloads_via_zmq(
     curve: CurveConfig | None = None,
     senders: int | None = None,
     deadline: Deadline | None = None,
+    stop: threading.Event | None = None,
 ) -> dict[str, int]:
     """Encode this shard's refit and deliver every payload to its root relay.
 
@@ -70,7 +72,10 @@ def stream_sparse_delta_payloads_via_zmq(
         senders: payloads in flight at once (one DEALER each; default: the tuning's
             ``window_payloads``, as many as the root stages for one tree).
         deadline: the refit's deadline; every BEGIN carries what is left of it, and no
-            send or wait runs past it (default: none).
+            send or wait runs past it, nor any encoding: the stream ends at the first tensor
+            or payload past it (default: none).
+        stop: set by whoever takes over the tracker (a newer refit): the stream ends at its
+            next tensor or payload, its refit aborted.
 
     Returns:
         ``payloads``, ``tensors``, ``changed_elements``, ``wire_bytes`` and ``dense_bytes``.
@@ -102,7 +107,8 @@ def stream_sparse_delta_payloads_via_zmq(
         curve=curve,
         tuning=tuning,
     )
-    payloads = delta_tracker.encode(iterator, target, resync=resync)
+    watched = _watched(iterator, deadline or Deadline.never(), stop or threading.Event())
+    payloads = delta_tracker.encode(watched, target, resync=resync)
     try:
         stats = deliver_payloads(
             payloads,
@@ -185,9 +191,29 @@ def deliver_payloads(
     return stats
 
 
-def _close(payloads: Iterator[DeltaPayload]) -> None:
-    """Close the tracker's encoding generator now (not at garbage collection, when it would
+def _watched(
+    tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor],
+    deadline: Deadline,
+    stop: threading.Event,
+) -> Iterator[NamedTensor]:
+    """``tensors``, ending the encoding (which aborts its refit) once the deadline passed or
+    a newer refit took the tracker over: a starved encoder must not run on unseen."""
+    if isinstance(tensors, Mapping):
+        tensors = (NamedTensor(name, tensor) for name, tensor in tensors.items())
+    source = iter(tensors)
+    try:
+        for named in source:
+            if stop.is_set():
+                raise RefitAbortedError("a newer refit took this producer's tracker over")
+            deadline.check(f"encoding {named.name}")
+            yield named
+    finally:
+        _close(source)  # the source's own generator ends with the stream, not at collection
+
+
+def _close(generator: Iterator[object]) -> None:
+    """Close a generator now, not at garbage collection (the tracker's encoding would then
     abort whatever refit the tracker has pending by then)."""
-    close = getattr(payloads, "close", None)
+    close = getattr(generator, "close", None)
     if callable(close):
         close()

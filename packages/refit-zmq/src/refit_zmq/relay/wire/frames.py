@@ -333,7 +333,7 @@ def parse(frames: Sequence[BytesLike], signer: Signer) -> Message:
         AuthenticationError: the MAC is missing or wrong (checked before the header is read).
         ProtocolError: anything malformed: frame count, JSON, protocol, kind, a field, a chunk.
     """
-    if not 2 <= len(frames) <= 3:
+    if not _framed(frames):
         raise ProtocolError(f"message of {len(frames)} frames (2 or 3 expected)")
     signer.verify(frames[0], frames[1])
     header = _load(frames[0])
@@ -373,10 +373,19 @@ def _check_begin(header: Mapping[str, Any]) -> None:
         raise _fail("base", f"must be below the target {target}")
 
 
-def reply_ids(raw: BytesLike) -> dict[str, str]:
-    """The well-formed id fields of a (possibly malformed) header, to address a NACK."""
+def _framed(frames: Sequence[BytesLike]) -> bool:
+    """Whether a message has the frames of one: a header, a MAC, at most a chunk."""
+    return 2 <= len(frames) <= 3
+
+
+def reply_ids(frames: Sequence[BytesLike]) -> dict[str, str]:
+    """The well-formed id fields of a (possibly malformed) message's header, to address its
+    NACK; none unless it has a MAC frame (which :func:`parse` checks before anything else of
+    the header), so a refusal never echoes ids a peer without the key chose."""
+    if not _framed(frames):
+        return {}
     try:
-        header = _load(raw)
+        header = _load(frames[0])
     except ProtocolError:
         return {}
     ids: dict[str, str] = {}
