@@ -51,8 +51,8 @@ __all__ = ["ByteViews", "PayloadStream", "StreamResult", "check_chunks", "frame_
 
 BLOCK_BYTES = 256 * 1024
 """A chunk is hashed and written in blocks of this size: each block is still in the core's
-cache when it is written and its old bits are copied out (hash, undo copy and write of 4 MiB
-chunks one after the other: 3.7 times a memcpy of the same bytes; in 256 KiB blocks: 2.7)."""
+cache when it is written and its old bits are copied out (a receiver's apply of 256 MiB of
+dense payloads in 4 MiB chunks, one process: 119 ms whole chunks, 102 ms in 256 KiB blocks)."""
 
 Admit = Callable[[PayloadLayout], object]
 """Called with a payload's layout before its first write; raises to refuse the payload."""
