@@ -325,6 +325,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return "[" + " ".join(f"{v:.3g}" for v in value) + "]"
     return str(value)
 
 

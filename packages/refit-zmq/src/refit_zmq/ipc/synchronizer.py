@@ -188,11 +188,9 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         manifest = dict(source.state_dict_info())
         started = time.monotonic()
         try:
-            links.request(self._begin(version, manifest, pool), deadline)
-            began = time.monotonic()
-            wire = self._stream(
-                links, Packer(manifest, pool).buckets(source.iter_tensors()), version, deadline
-            )
+            links.send(self._begin(version, manifest, pool), deadline)
+            buckets = Packer(manifest, pool).buckets(source.iter_tensors())
+            wire, began = self._stream(links, buckets, version, deadline)
             streamed = time.monotonic()
             links.request({"op": Op.COMMIT, "version": version, "count": len(manifest)}, deadline)
         except RefitTimeoutError:
@@ -234,27 +232,29 @@ class IpcWeightSynchronizer(WeightSynchronizer):
 
     def _stream(
         self, links: WorkerLinks, buckets: Iterator[Bucket], version: int, deadline: Deadline
-    ) -> int:
-        """Send every bucket, one in flight while the next fills; the bytes sent."""
+    ) -> tuple[int, float]:
+        """With ``begin`` sent, send every bucket, one in flight while the next fills (the
+        first fills while ``begin`` is answered); the bytes sent and when ``begin`` was."""
         pool = self._pool
         assert pool is not None
         sent = 0
+        began: float | None = None
         pending: Bucket | None = None
         try:
             for bucket in buckets:
                 if pool.device.type == "cuda":
                     torch.cuda.current_stream(pool.device).synchronize()
+                links.gather(deadline)
                 if pending is not None:
-                    links.gather(deadline)
                     self._release(pending)
+                began = time.monotonic() if began is None else began
                 links.send(bucket.message(version), deadline)
                 pending, sent = bucket, sent + bucket.nbytes
-            if pending is not None:
-                links.gather(deadline)
+            links.gather(deadline)
         finally:
             if pending is not None:
                 self._release(pending)
-        return sent
+        return sent, time.monotonic() if began is None else began
 
     def _release(self, bucket: Bucket) -> None:
         assert self._pool is not None
