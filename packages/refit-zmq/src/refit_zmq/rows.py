@@ -2,7 +2,7 @@
 
 from refit_core.backend import BackendRow
 
-__all__ = ["VLLM_IPC", "VLLM_ZMQ_SPARSE"]
+__all__ = ["VLLM_IPC", "VLLM_LORA_COLOCATED", "VLLM_LORA_NON_COLOCATED", "VLLM_ZMQ_SPARSE"]
 
 VLLM_IPC = BackendRow(
     backend="vllm",
@@ -28,3 +28,18 @@ VLLM_ZMQ_SPARSE = BackendRow(
     options="refit_zmq.sparse:ZmqSparseOptions",
     can_stage=True,
 )
+
+_LORA = {
+    "backend": "vllm",
+    "transport": "lora",
+    "builder": "refit_zmq.lora.builder:build_lora_synchronizer",
+    "description": (
+        "one LoRA adapter from memory, each version beside the last (delta-coded over the "
+        "engine's RPC)"
+    ),
+    "on_failure": "previous version of the adapter (the new one is dropped everywhere)",
+    "options": "refit_zmq.lora:LoraOptions",
+}
+
+VLLM_LORA_COLOCATED = BackendRow(topology="colocated", **_LORA)  # type: ignore[arg-type]
+VLLM_LORA_NON_COLOCATED = BackendRow(topology="non-colocated", **_LORA)  # type: ignore[arg-type]
