@@ -39,6 +39,7 @@ _LORA = {
     ),
     "on_failure": "previous version of the adapter (the new one is dropped everywhere)",
     "options": "refit_zmq.lora:LoraOptions",
+    "model_kinds": ("lora",),
 }
 
 VLLM_LORA_COLOCATED = BackendRow(topology="colocated", **_LORA)  # type: ignore[arg-type]

