@@ -137,3 +137,17 @@ def test_streamed_refit_whose_trainer_fails_mid_transfer_closes_the_engine_until
     closed_until_a_refit(
         engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
     )
+
+
+def test_a_new_controller_adopts_the_version_the_engine_serves(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    """A second generation and synchronizer (a restarted controller) over an engine serving
+    version N report N, not 0, and refit N+1 without being told a version."""
+    served = _refit(engine, checkpoints, "A")
+    with _synchronizer(CheckpointPolicy(checkpoints, "B'"), _generation(engine)) as sync:
+        status = sync.status()
+        assert status.serving() == {served: (0,)} and status.high_water_mark == served
+        assert sync.sync_weights().version == served + 1
+    engine.version = max(engine.version, served + 1)
+    assert generate(engine.llm) == engine.expected["B'"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,36 @@ def generation(served: Served) -> Iterator[Any]:
     generation.close()
 
 
+class RefusingAdapters:
+    """The engine behind ``client`` as a second engine of a fleet, with a fault injected in
+    front of it: it refuses every adapter load (every other call reaches the engine)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def collective_rpc(self, method: str, timeout_s: float | None, args: tuple[Any, ...]) -> Any:
+        if args[:1] == ("lora_load",):
+            raise RuntimeError("this engine refuses the adapter (injected fault)")
+        return self._client.collective_rpc(method, timeout_s, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@contextmanager
+def _fleet_of_two(served: Served) -> Iterator[Any]:
+    """Engines 0 and 1: the real engine, and :class:`RefusingAdapters` in front of it."""
+    from refit_core.vllm import AsyncVllm
+    from refit_zmq.vllm import VllmLoraGeneration
+
+    real = AsyncVllm(served.engine, served.loop.loop)
+    fleet = VllmLoraGeneration([real, RefusingAdapters(real)])
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
 def _synchronizer(policy: AdapterPolicy, generation: Any, adapter: str) -> Any:
     from refit_core import create_weight_synchronizer
 
@@ -268,23 +299,32 @@ def test_a_failed_refit_leaves_the_previous_version(
     adapters: dict[str, dict[str, Any]],
     expected: dict[str, Outputs],
 ) -> None:
-    policy = AdapterPolicy(adapters, "bad")
+    policy = AdapterPolicy(adapters, "math2")
+    policy.fail_after = 5
     with _synchronizer(policy, generation, "math") as sync:
         before = generation.lora_request("math")
+        with pytest.raises(RefitError, match="mid-transfer"):
+            sync.sync_weights()  # version 7: the trainer dies before anything is sent
+        policy.state, policy.fail_after = "bad", None
         with pytest.raises(RefitError, match="foo_proj") as failed:
-            sync.sync_weights()  # every worker refuses a module the model cannot adapt
+            sync.sync_weights()  # version 8: every worker refuses a module it cannot adapt
         assert failed.value.states() == {"vllm engine 0": EngineState.OLD}
         assert failed.value.engines[0].version == 6
-        policy.state, policy.fail_after = "math2", 5
-        with pytest.raises(RefitError, match="mid-transfer"):
-            sync.sync_weights()  # the trainer dies before anything is sent
         assert generation.lora_request("math") is before
         assert served.generate(before) == expected["math3"]
         assert generation.adapter_status("math", 10.0)[0].held == {5, 6}
-        policy.fail_after = None
-        assert sync.sync_weights().version == 7
+    policy.state = "math2"
+    with _fleet_of_two(served) as fleet, _synchronizer(policy, fleet, "math") as sync:
+        with pytest.raises(RefitError, match="refuses the adapter") as failed:
+            sync.sync_weights()  # version 9: held by engine 0, refused by engine 1
+        assert failed.value.states() == {f"vllm engine {i}": EngineState.OLD for i in (0, 1)}
+    status = generation.adapter_status("math", 10.0)[0]
+    assert (status.held, status.began) == ({5, 6}, 9), "engine 0 dropped what it held"
+    with _synchronizer(policy, generation, "math") as restarted:  # a new controller
+        assert restarted.status().high_water_mark == 9, "the engine began version 9"
+        assert restarted.sync_weights().version == 10
         assert served.generate(generation.lora_request("math")) == expected["math2"]
-        assert sync.status().engines[0].health is EngineHealth.SERVING
+        assert restarted.status().engines[0].health is EngineHealth.SERVING
 
 
 def test_a_wrong_rank_is_refused_before_anything_moves(
@@ -306,4 +346,4 @@ def test_a_wrong_rank_is_refused_before_anything_moves(
         pytest.raises(GeometryMismatchError, match="rank 8, options say 4"),
     ):
         sync.sync_weights()
-    assert generation.adapters()["math"] == 7
+    assert generation.adapters()["math"] == 10

@@ -127,10 +127,21 @@ class TrainerWorker(TrainerEndpoint):
 
     def __init__(self, config: ReferenceModelConfig, seed: int) -> None:
         self.trainer = SimulatedTrainer(random_checkpoint(config, seed), seed=seed, lr=1e-2)
+        self.transfer_delay_s = 0.0
         super().__init__(self.trainer)
 
     def step(self) -> None:
         self.trainer.step()
+
+    def set_transfer_delay(self, seconds: float) -> None:
+        """Make every transfer start ``seconds`` late (the engines wait in theirs)."""
+        self.transfer_delay_s = seconds
+
+    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
+        time.sleep(self.transfer_delay_s)
+        return super().refit_transfer(
+            version, None if timeout_s is None else timeout_s - self.transfer_delay_s
+        )
 
     def engine_digests(self) -> dict[str, int]:
         return state_digest(self.trainer.engine_state().items())

@@ -99,6 +99,7 @@ def test_a_resync_then_a_delta_build_versions_side_by_side() -> None:
         "serving": 2,
         "lora_id": 102,
         "held": [1, 2],
+        "began": 2,
         "max_lora_id": 102,
     }
 
@@ -125,6 +126,7 @@ def test_a_refused_load_holds_nothing_and_changes_nothing() -> None:
             store.receive(AdapterLoad(**{**delta.__dict__, **fields}))
         assert store.status("math")["held"] == [1]
         assert _bits(store.find("math", 1).tensors) == _bits(first)
+    assert store.status("math")["began"] == 2, "refused loads of version 2 began"
     assert store.receive(delta).version == 2
 
 

@@ -115,6 +115,7 @@ def send_packed(
     held: deque[tuple[int | None, torch.Tensor]] = deque()  # slot and bytes of each call
     items = iter(tensors)
     pack_s = wait_s = 0.0
+    posted_bytes = 0  # handed to the communicator: what the failure's progress counts
     try:
         for bucket in plan.buckets:
             if len(in_flight) >= plan.geometry.num_buffers:
@@ -137,6 +138,7 @@ def send_packed(
             pack_s += time.perf_counter() - mark
             in_flight.append(group.broadcast_async(wire, root, deadline))
             held.append((slot, wire))
+            posted_bytes += wire.numel()
         if next(items, None) is not None:
             raise ProtocolError(f"source yields more than the plan's {plan.num_tensors} tensors")
         mark = time.perf_counter()
@@ -144,6 +146,8 @@ def send_packed(
             in_flight.popleft().wait()
         wait_s += time.perf_counter() - mark
     except BaseException as exc:
+        if isinstance(exc, RefitError):
+            exc.progress = posted_bytes / max(1, plan.wire_bytes)
         group.abort(f"send failed: {exc}")
         _drain(in_flight)
         raise

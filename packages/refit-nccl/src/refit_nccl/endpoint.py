@@ -89,6 +89,8 @@ class EngineStatus:
             was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
         staged_version: the version staged beside the engine, awaiting its commit.
         can_stage: whether it can stage a refit (:class:`~refit_nccl.roles.CollectiveStagingRole`).
+        began_version: the highest version a transfer or staging ever began here (committed
+            or not), so that a new controller never reuses it.
     """
 
     committed_version: int
@@ -99,6 +101,7 @@ class EngineStatus:
     closed: bool = False
     staged_version: int | None = None
     can_stage: bool = False
+    began_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,8 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         device: where the engine's weights live; None: this process's device.
         can_stage: whether it offers ``refit_stage`` (an engine that must write its
             weights its own way, as vLLM's layerwise reload, says False).
+        versions: the versions it starts from, as ``(committed, began)`` (a receiver that
+            replaces its endpoint keeps them; default: nothing yet, version 0).
     """
 
     def __init__(
@@ -293,13 +298,14 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         device: DeviceType | None = None,
         *,
         can_stage: bool = True,
+        versions: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__(device)
         self._can_stage = can_stage
         self._engine_factory = engine_factory
         self._engine: CollectiveEngine | None = None
         self._geometry = geometry
-        self._committed = 0
+        self._committed, self._began = versions
         self._loaded: int | None = None
         self._dirty = False
         self._closed = False
@@ -357,6 +363,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             self._closed,
             self._staged_version,
             can_stage=self._can_stage,
+            began_version=self._began,
         )
 
     def refit_stage(self, version: int, timeout_s: float | None) -> TransferStats:
@@ -372,6 +379,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
         with self._lock:
             group, plan = self._joined()
             self._staged_version = None
+            self._began = max(self._began, version)
             storage = self._staged
             if storage is None or storage.plan.digest != plan.digest:
                 storage = self._staged = PlanStorage(plan, torch.device("cpu"))
@@ -457,6 +465,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
     ) -> TransferStats:
         engine = self.engine
         self._loaded = None
+        self._began = max(self._began, version)
 
         def load(items: list[tuple[str, torch.Tensor]]) -> None:
             if not self._closed:

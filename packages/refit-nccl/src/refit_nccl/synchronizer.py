@@ -13,12 +13,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
 from refit_core import (
+    DeadlineTooShortError,
     EngineHealth,
     EngineReport,
     EngineState,
@@ -42,11 +43,13 @@ from refit_core.backend import (
     check_field_types,
     checked_buffer_size,
     gather,
+    probe_timeout_s,
 )
 from refit_nccl.backends import Backend
 from refit_nccl.broadcast import TransferStats
 from refit_nccl.devices import DeviceReport, choose_backend
 from refit_nccl.endpoint import CommitStats
+from refit_nccl.endpoint import EngineStatus as WorkerStatus
 from refit_nccl.group import DISARMED_TIMEOUT_S, GroupSpec
 from refit_nccl.membership import Membership, plan_membership
 from refit_nccl.roles import (
@@ -61,6 +64,10 @@ from refit_nccl.roles import (
 __all__ = ["CollectiveOptions", "CollectiveWeightSynchronizer", "ShardMap"]
 
 logger = logging.getLogger(__name__)
+
+_FAILURE_PROBE_S = 0.25
+"""How long a failed refit waits for the engines' statuses (they answer within milliseconds
+unless frozen)."""
 
 ShardMap = Mapping[int, Sequence[Participant[CollectiveEngineRole]]]
 """Engine shard index -> its workers, in local-rank order."""
@@ -81,8 +88,12 @@ class CollectiveOptions:
             their own timeout before naming them wedged.
         settle_s: once the deadline has passed and a participant has failed, how much longer
             the controller waits for the others (they release by the deadline plus ~1 s).
-        status_timeout_s: longest wait for an engine's status (``status()``, ``recover()``
-            and the engine states of a failure); one that does not answer is unreachable.
+        status_timeout_s: how long ``status()``, ``recover()`` and the engine states of a
+            failure wait for each engine's status (every engine asked at once; one that does
+            not answer is unreachable, and is not asked again while that call is pending).
+            None derives it from the deadline: a tenth of ``refit_timeout_s``, within
+            [1 s, 2 s] (2 s without a deadline). A value above a quarter of
+            ``refit_timeout_s`` is refused when the synchronizer is built.
         group_name: prefix of each group's store keys; a counter makes every group unique.
         communicator_in_child: every participant runs its communicator in a child process
             that is killed at the deadline or on abort (``ChildProcessGroup``, gloo only),
@@ -95,7 +106,7 @@ class CollectiveOptions:
     control_timeout_s: float = 60.0
     grace_s: float = 5.0
     settle_s: float = 1.5
-    status_timeout_s: float = 10.0
+    status_timeout_s: float | None = None
     group_name: str = "refit"
     communicator_in_child: bool = False
 
@@ -164,6 +175,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._group: _Group | None = None
         self._stale_reason: str | None = None
         self._staged_on: dict[str, tuple[Participant[CollectiveStagingRole], ...]] = {}
+        self._probe_s = probe_timeout_s(
+            self._options.status_timeout_s, refit_timeout_s, name="status_timeout_s"
+        )
+        self._probes: dict[Hashable, Future[WorkerStatus]] = {}
+        self._dead: dict[Hashable, BaseException] = {}
 
     @property
     def membership(self) -> Membership | None:
@@ -197,7 +213,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         moved = time.monotonic()
         if not gathered.ok:
             self._invalidate(group, f"{what} failed")
-            raise self._failure(what, gathered, deadline, target=version)
+            raise self._failure(what, gathered, deadline, target=version, started=started)
         committed = gather(
             {p: p.call(CollectiveEngineRole.refit_commit, version) for p in group.engines},
             self._control_wait_s(deadline),
@@ -242,7 +258,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             self._invalidate(group, f"{what} failed")
             for engine in engines:
                 engine.call(CollectiveStagingRole.refit_drop_staged, version)
-            raise self._failure(what, gathered, deadline, target=version)
+            raise self._failure(what, gathered, deadline, target=version, started=started)
         sender: TransferStats = gathered.results[group.members[0]]
         received: list[TransferStats] = [gathered.results[e] for e in engines]
         staging_id = f"{group.name}/{version}/{uuid.uuid4().hex[:8]}"
@@ -530,37 +546,57 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- fleet status and failures -----------------------------------------------------
 
-    def fleet_status(
-        self,
-        deadline: Deadline,
-        *,
-        silent: Collection[Participant[Any]] = (),
-        wait_s: float | None = None,
-    ) -> FleetStatus:
-        """Every engine worker's status; ``silent`` ones (known not to answer) are not asked."""
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """Every engine worker's status, all asked at once (see :meth:`_probe`)."""
         workers = [(i, w) for i, ws in self._shards().items() for w in ws]
-        limit = min(self._control_wait_s(deadline), self._options.status_timeout_s)
-        silent_keys = {p.key for p in silent}
-        gathered = gather(
-            {
-                w: w.call(CollectiveEngineRole.refit_status)
-                for _, w in workers
-                if w.key not in silent_keys
-            },
-            limit if wait_s is None else min(limit, wait_s),
-        )
-        gathered.missing.extend(w for _, w in workers if w.key in silent_keys)
-        return FleetStatus.of(_engine_status(i, w, gathered) for i, w in workers)
+        answered = self._probe([w for _, w in workers])
+        return FleetStatus.of(_engine_status(i, w, answered) for i, w in workers)
+
+    def _probe(
+        self, workers: Sequence[Participant[CollectiveEngineRole]], wait_s: float | None = None
+    ) -> Gathered:
+        """Each worker's status within the probe timeout, all asked at once. A worker whose
+        last status call is still unanswered (frozen) is not asked again, that call is
+        awaited instead, so calls never pile up on it; a worker whose actor died is
+        remembered (its death reported, not asked or logged again)."""
+        calls: dict[Participant[Any], Future[WorkerStatus]] = {}
+        for worker in workers:
+            if worker.key in self._dead:
+                continue
+            pending = self._probes.get(worker.key)
+            if pending is None or pending.done():
+                pending = self._probes[worker.key] = worker.call(CollectiveEngineRole.refit_status)
+            calls[worker] = pending
+        answered = gather(calls, self._probe_s if wait_s is None else wait_s)
+        for worker, error in answered.errors.items():
+            if _died(error):
+                logger.warning("%s died: %s", worker.label, _one_line(error))
+                self._dead[worker.key] = error
+                self._probes.pop(worker.key, None)
+        for worker in workers:
+            if worker.key in self._dead:
+                answered.errors[worker] = self._dead[worker.key]
+        return answered
 
     def live_shards(self) -> frozenset[int] | None:
         group = self._group
         return None if group is None else frozenset(group.membership.shard_indices)
 
     def _failure(
-        self, what: str, gathered: Gathered, deadline: Deadline, *, target: int | None = None
+        self,
+        what: str,
+        gathered: Gathered,
+        deadline: Deadline,
+        *,
+        target: int | None = None,
+        started: float | None = None,
     ) -> RefitError:
         """One typed error for failed calls: what happened and to whom first, each engine's
-        state after it, what recovers it; the first underlying error chained."""
+        state after it, what recovers it; the first underlying error chained.
+
+        A lost participant (dead, or silent past the deadline) makes it a
+        ``RefitTimeoutError``; a refit that ran out of time while every participant was
+        alive and every engine answers a ``DeadlineTooShortError`` (``Recovery.FIX``)."""
         shard_of = {w: i for i, ws in self._shards().items() for w in ws}
         culprits = _culprits(gathered)
         first, cause = culprits[0] if culprits else (None, None)
@@ -571,12 +607,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if others > 0:
             headline += f" (and {others} more)"
         engines: list[EngineReport] = []
+        silent = set(gathered.missing)
         if target is not None:
-            # Engines that did not answer the refit are not asked again (frozen ones would
-            # hold the error back); the others answer at once.
-            fleet = self.fleet_status(
-                Deadline.never(), silent=gathered.missing, wait_s=self._options.settle_s
-            )
+            # Every engine is asked, those that did not answer the refit too: a survivor
+            # still inside its transfer answers its status at once; a frozen one does not
+            # (its probe is kept short: the error is due at the deadline and its grace).
+            answered = self._probe(list(shard_of), wait_s=min(self._probe_s, _FAILURE_PROBE_S))
+            fleet = FleetStatus.of(_engine_status(shard_of[w], w, answered) for w in shard_of)
+            silent = {w for w in gathered.missing if w not in answered.results}
             engines = _merged(
                 [_engine_report(e, target, self.version) for e in fleet.engines],
                 _reported_engines(gathered),
@@ -589,11 +627,33 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 if p in shard_of
             ]
             engines = _merged(engines, _reported_engines(gathered))
-        wedged = [p.label for p in gathered.missing]
+        wedged = [p.label for p in gathered.missing if p in silent]
+        lost = bool(gathered.missing) or any(_died(e) for e in gathered.errors.values())
+        timeouts = all(
+            isinstance(e, RefitTimeoutError | RefitAbortedError) for e in gathered.errors.values()
+        )
+        error: RefitError
         if isinstance(cause, GeometryMismatchError):
-            error: RefitError = GeometryMismatchError(headline, engines=engines)
+            error = GeometryMismatchError(headline, engines=engines)
         elif (
-            wedged
+            target is not None
+            and started is not None
+            and self.refit_timeout_s is not None
+            and deadline.expired()
+            and not lost
+            and timeouts
+            and all(e.state is not EngineState.UNKNOWN for e in engines)
+        ):
+            sender = gathered.errors.get(self._trainers[0])
+            error = DeadlineTooShortError.measured(
+                what,
+                deadline_s=self.refit_timeout_s,
+                elapsed_s=time.monotonic() - started,
+                progress=sender.progress if isinstance(sender, RefitError) else None,
+                engines=engines,
+            )
+        elif (
+            lost
             or deadline.expired()
             or any(isinstance(e, TimeoutError) for e in gathered.errors.values())
         ):
@@ -609,6 +669,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         remaining = deadline.remaining_s()
         limit = self._options.control_timeout_s
         return limit if remaining is None else min(limit, remaining + self._options.grace_s)
+
+
+def _died(error: BaseException) -> bool:
+    """Whether a participant's call failed because its process is gone (Ray's
+    ``ActorDiedError``): it will never answer again, and no retry brings it back."""
+    return any(kind.__name__ == "ActorDiedError" for kind in type(error).__mro__)
 
 
 def _left(deadline: Deadline, what: str) -> float | None:
@@ -666,9 +732,16 @@ def _engine_status(
     status = gathered.results[worker]
     if status.closed:
         reason = status.abort_cause or "its weights changed since the last commit"
-        return EngineStatus(shard, label, EngineHealth.CLOSED, detail=reason)
+        return EngineStatus(
+            shard, label, EngineHealth.CLOSED, detail=reason, began_version=status.began_version
+        )
     return EngineStatus(
-        shard, label, EngineHealth.SERVING, status.committed_version, status.staged_version
+        shard,
+        label,
+        EngineHealth.SERVING,
+        status.committed_version,
+        status.staged_version,
+        began_version=status.began_version,
     )
 
 

@@ -115,9 +115,15 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
         self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
+        held = self.endpoint.refit_status()  # the versions outlive the endpoint
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
-        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
+        self.endpoint = EngineEndpoint(
+            lambda: _WorkerModel(self),
+            geometry,
+            can_stage=False,
+            versions=(held.committed_version, held.began_version),
+        )
         self.loading.abandon()
         self.loading.staged = init_info.staged
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)

@@ -57,6 +57,7 @@ class AdapterStore:
         self._held: dict[str, dict[int, HeldVersion]] = {}
         self._serving: dict[str, int] = {}
         self._by_id: dict[int, HeldVersion] = {}
+        self._began: dict[str, int] = {}
 
     def receive(self, load: AdapterLoad) -> HeldVersion:
         """Build ``load``'s version beside every version held, and hold it (not served yet).
@@ -66,7 +67,8 @@ class AdapterStore:
             GeometryMismatchError: a payload names a tensor the specs do not give as it.
             ChecksumMismatchError, ProtocolError: a corrupted or malformed payload.
             RefitError: the version is not above the one served, or its LoRA id is taken.
-            In every case nothing is held and every held version is as it was.
+            In every case nothing is held and every held version is as it was; a version
+            that got past these two checks counts as begun (:meth:`status`).
         """
         held = self._held.get(load.adapter, {})
         serving = self._serving.get(load.adapter)
@@ -80,6 +82,7 @@ class AdapterStore:
                 f"adapter {load.adapter!r}: version {load.version} or LoRA id {load.lora_id} "
                 "is held already"
             )
+        self._began[load.adapter] = max(load.version, self._began.get(load.adapter, 0))
         flats, current = self._start(load, held)
         written: set[str] = set()
         for payload in load.payloads:
@@ -176,13 +179,15 @@ class AdapterStore:
 
     def status(self, adapter: str) -> dict[str, Any]:
         """What this worker holds of ``adapter``: ``serving`` (its version, None: none),
-        ``lora_id`` (the served version's), ``held`` (versions), ``max_lora_id`` (of any
+        ``lora_id`` (the served version's), ``held`` (versions), ``began`` (the highest
+        version it ever began to build, held or not; None: none), ``max_lora_id`` (of any
         adapter held, 0: none)."""
         serving = self._serving.get(adapter)
         return {
             "serving": serving,
             "lora_id": None if serving is None else self.find(adapter, serving).lora_id,
             "held": sorted(self._held.get(adapter, {})),
+            "began": self._began.get(adapter),
             "max_lora_id": max(self._by_id, default=0),
         }
 

@@ -52,6 +52,7 @@ class AdapterEngine(Protocol):
     label: str
     serving: int | None
     held: frozenset[int]
+    began: int | None
     lora_id: int | None
     max_lora_id: int
     error: str | None
@@ -268,5 +269,12 @@ def _engine_status(adapter: str, engine: AdapterEngine) -> EngineStatus:
             engine.label,
             EngineHealth.CLOSED,
             detail=f"serves no version of adapter {adapter!r} (or its workers disagree)",
+            began_version=engine.began,
         )
-    return EngineStatus(engine.shard, engine.label, EngineHealth.SERVING, engine.serving)
+    return EngineStatus(
+        engine.shard,
+        engine.label,
+        EngineHealth.SERVING,
+        engine.serving,
+        began_version=engine.began,
+    )

@@ -46,6 +46,7 @@ class AdapterOnEngine:
         label: how errors name it.
         serving: the version new requests get there (None: none, or its workers disagree).
         held: the versions every worker holds.
+        began: the highest version a refit began on any worker (None: none).
         lora_id: the served version's LoRA id.
         max_lora_id: the highest LoRA id any worker holds (any adapter).
         error: why it could not be asked (then nothing else is known).
@@ -55,6 +56,7 @@ class AdapterOnEngine:
     label: str
     serving: int | None = None
     held: frozenset[int] = frozenset()
+    began: int | None = None
     lora_id: int | None = None
     max_lora_id: int = 0
     error: str | None = None
@@ -131,11 +133,13 @@ class VllmLoraGeneration:
         serving = {r["serving"] for r in replies}
         ids = {r["lora_id"] for r in replies}
         held = frozenset.intersection(*(frozenset(r["held"]) for r in replies))
+        began = [int(r["began"]) for r in replies if r["began"] is not None]
         return AdapterOnEngine(
             shard,
             label,
             serving=serving.pop() if len(serving) == 1 else None,
             held=held,
+            began=max(began, default=None),
             lora_id=ids.pop() if len(ids) == 1 else None,
             max_lora_id=max(int(r["max_lora_id"]) for r in replies),
         )

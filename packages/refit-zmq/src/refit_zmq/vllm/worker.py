@@ -47,6 +47,8 @@ class ZmqWorkerExtension:
                 return True, _attribute(receiver, "address", str)
             if method == "partial":
                 return True, _attribute(receiver, "partial", bool)
+            if method == "versions":
+                return True, _attribute(receiver, "versions", tuple)
             if method == "placement":
                 placement = getattr(receiver, "placement", None)
                 if placement is None:
