@@ -13,7 +13,7 @@ Three conventions, chosen by ``GroupSpec.rendezvous``:
   right after it joins (``vllm/distributed/device_communicators/pynccl.py``), which every
   foreign peer must match before any other collective. vLLM's weight-transfer receiver runs
   no plan handshake: it cuts buckets from the update info by its packing rule
-  (:data:`refit_nccl.plan.PACKING_RULES` ``["vllm"]``).
+  (:data:`refit_nccl.transfer.plan.PACKING_RULES` ``["vllm"]``).
 
 * ``"sglang"``: what SGLang's weight-update group expects (read in SGLang 0.5.23,
   ``sglang/srt/utils/common.py`` ``init_custom_process_group``, and torch's

@@ -13,20 +13,16 @@ import torch
 
 from refit_core import ProtocolError
 from refit_core.backend import dtype_name
-from refit_nccl.plan import Bucket, Slot
+from refit_nccl.group.tensors import wire_view
+from refit_nccl.transfer.plan import Bucket, Slot
 
-__all__ = ["check_tensor", "pack_bucket", "slot_view", "unpack_bucket", "wire_view"]
+__all__ = ["check_tensor", "pack_bucket", "slot_view", "unpack_bucket"]
 
 
 def slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The slot's bytes of a uint8 ``buffer`` as a tensor of the slot's dtype and shape."""
     raw = buffer[slot.offset : slot.offset + slot.nbytes]
     return raw.view(slot.dtype).view(slot.spec.shape)
-
-
-def wire_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat uint8 tensor (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _plain_cpu(tensor: torch.Tensor) -> bool:
