@@ -4,7 +4,7 @@ Each group rendezvouses over its own TCPStore (rank 0 hosts it on the given port
 stateless groups do), warms up with a one-element all-reduce, and runs every call under the
 caller's :class:`~refit_core.backend.Deadline` (:mod:`refit_nccl.group.calls`). A call that
 does not complete aborts the group; every later call raises
-:class:`~refit_core.RefitAbortedError` naming that first cause (:mod:`refit_nccl.group.state`).
+:class:`~refit_core.RefitAbortedError` naming that first cause (:mod:`refit_nccl.group.lifecycle`).
 Store keys and warm-up follow refit's convention or vLLM's (:mod:`refit_nccl.group.rendezvous`),
 so a vLLM peer can join.
 
@@ -28,8 +28,8 @@ from refit_nccl.group.connect import (
     check_warm_up,
     rendezvous_error,
 )
+from refit_nccl.group.lifecycle import GroupLifecycle
 from refit_nccl.group.spec import GroupSpec
-from refit_nccl.group.state import GroupState
 from refit_nccl.group.traits import Backend, CallHandle, Communicator, traits_for
 
 __all__ = ["AbortableProcessGroup"]
@@ -48,8 +48,8 @@ class AbortableProcessGroup:
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
         traits = None if spec.backend is None else traits_for(spec.backend, spec.rendezvous)
-        self._state = GroupState(spec.label, traits)
-        self._calls = DeadlineCalls(spec, self._state)
+        self._lifecycle = GroupLifecycle(spec.label, traits)
+        self._calls = DeadlineCalls(spec, self._lifecycle)
         self._device: torch.device | None = None
 
     # -- state -------------------------------------------------------------------------
@@ -67,29 +67,29 @@ class AbortableProcessGroup:
     @property
     def backend(self) -> Backend:
         """The communicator backend (agreed at connect when the spec names none)."""
-        return self._state.known_traits.name
+        return self._lifecycle.known_traits.name
 
     @property
     def device(self) -> torch.device:
         """Device of the tensors this group moves."""
         if self._device is None:
-            self._device = self._state.known_traits.device()
+            self._device = self._lifecycle.known_traits.device()
         return self._device
 
     @property
     def connected(self) -> bool:
         """Whether :meth:`connect` succeeded and the group is not aborted."""
-        return self._state.connected
+        return self._lifecycle.connected
 
     @property
     def aborted(self) -> bool:
         """Whether the group was aborted."""
-        return self._state.abort_cause is not None
+        return self._lifecycle.abort_cause is not None
 
     @property
     def abort_cause(self) -> str | None:
         """Why the group was aborted, or None."""
-        return self._state.abort_cause
+        return self._lifecycle.abort_cause
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -103,28 +103,28 @@ class AbortableProcessGroup:
             BackendNotInstalledError: this process cannot build the backend's communicator
                 (vLLM's NCCL data plane without vLLM); nothing was joined.
         """
-        spec, state = self.spec, self._state
-        state.raise_if_aborted("connect")
-        if state.holds_communicator:
+        spec, lifecycle = self.spec, self._lifecycle
+        lifecycle.raise_if_aborted("connect")
+        if lifecycle.holds_communicator:
             return
-        if state.traits is not None:
-            state.traits.require()
+        if lifecycle.traits is not None:
+            lifecycle.traits.require()
         logger.debug("%s: rendezvous at %s:%d", spec.label, spec.host, spec.port)
         with self._calls.guard(deadline, "rendezvous"):
             try:
                 communicator, store = self._open(deadline)
             except Exception as exc:
                 raise rendezvous_error(spec, exc, deadline, self.abort) from exc
-        state.install(communicator, store)
-        state.raise_if_aborted("connect")
-        traits = state.known_traits
+        lifecycle.install(communicator, store)
+        lifecycle.raise_if_aborted("connect")
+        traits = lifecycle.known_traits
         with self._calls.guard(deadline, "communicator init"):
             try:
                 timeout = self._calls.timeout(deadline, "communicator init")
                 traits.connect(communicator, self.device, timeout)
             except Exception as exc:
                 raise rendezvous_error(spec, exc, deadline, self.abort) from exc
-        state.raise_if_aborted("connect")
+        lifecycle.raise_if_aborted("connect")
         if not traits.warms_up_itself:
             self._warm_up(deadline)
         logger.info("%s: connected (%s on %s)", spec.label, traits.name, self.device)
@@ -141,9 +141,9 @@ class AbortableProcessGroup:
             timeout=timeout,
             wait_for_workers=True,
         )
-        if self._state.traits is None:
-            self._state.traits = agree_on_backend(spec, store)
-        communicator = build_communicator(spec, self._state.traits, store, timeout, self.device)
+        if self._lifecycle.traits is None:
+            self._lifecycle.traits = agree_on_backend(spec, store)
+        communicator = build_communicator(spec, self._lifecycle.traits, store, timeout, self.device)
         return communicator, store
 
     def _warm_up(self, deadline: Deadline) -> None:
@@ -157,7 +157,7 @@ class AbortableProcessGroup:
 
     def abort(self, cause: str = "aborted by its owner") -> None:
         """Make the group unusable; idempotent, safe from any thread, never blocks on peers."""
-        self._state.abort(cause)
+        self._lifecycle.abort(cause)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class AbortableProcessGroup:
             options = BroadcastOptions()
             options.rootRank = root
             options.rootTensor = 0
-            if self._state.known_traits.per_call_timeout:
+            if self._lifecycle.known_traits.per_call_timeout:
                 options.timeout = timeout
             return communicator.broadcast([tensor], options)
 
@@ -190,7 +190,7 @@ class AbortableProcessGroup:
         def start(communicator: Communicator, timeout: timedelta) -> CallHandle:
             options = AllreduceOptions()
             options.reduceOp = reduce_op
-            if self._state.known_traits.per_call_timeout:
+            if self._lifecycle.known_traits.per_call_timeout:
                 options.timeout = timeout
             return communicator.allreduce([tensor], options)
 

@@ -19,8 +19,8 @@ from torch._C._distributed_c10d import ReduceOp
 
 from refit_core import RefitAbortedError, RefitError, RefitTimeoutError
 from refit_core.backend import Deadline
+from refit_nccl.group.lifecycle import GroupLifecycle
 from refit_nccl.group.spec import GroupSpec
-from refit_nccl.group.state import GroupState
 from refit_nccl.group.traits import CallHandle, Communicator, RewaitableHandle
 from refit_nccl.group.watchdog import Watchdog
 
@@ -89,12 +89,12 @@ class DeadlineCalls:
 
     Args:
         spec: the group's spec (its label, and the timeout of disarmed calls).
-        state: the group's state, aborted when a call does not complete.
+        lifecycle: the group's lifecycle, aborted when a call does not complete.
     """
 
-    def __init__(self, spec: GroupSpec, state: GroupState) -> None:
+    def __init__(self, spec: GroupSpec, lifecycle: GroupLifecycle) -> None:
         self._spec = spec
-        self._state = state
+        self._lifecycle = lifecycle
 
     def issue(
         self,
@@ -106,20 +106,20 @@ class DeadlineCalls:
     ) -> PendingCall:
         """Start a call; ``rewaitable``: its ``wait`` may time out and be waited on again
         (gloo's collectives; a timed-out wait of a gloo send or recv closes the pair)."""
-        communicator = self._state.enter_call(what)
+        communicator = self._lifecycle.enter_call(what)
         try:
             timeout = self.timeout(deadline, what)
             with self.guard(deadline, what):
                 work = start(communicator, timeout)
         except BaseException as exc:
-            self._state.leave_call()
+            self._lifecycle.leave_call()
             raise self.failure(what, exc, deadline) from exc
         return PendingCall(self, what, work, deadline, rewaitable=rewaitable)
 
     def complete(self, call: PendingCall, work: CallHandle) -> None:
         """Wait for an issued call to complete (see :meth:`PendingCall.wait`)."""
         try:
-            if self._state.known_traits.waits_in_slices and call.rewaitable:
+            if self._lifecycle.known_traits.waits_in_slices and call.rewaitable:
                 self._wait_in_slices(call, work)
             else:
                 timeout = self.timeout(call.deadline, call.what)
@@ -128,7 +128,7 @@ class DeadlineCalls:
         except BaseException as exc:
             raise self.failure(call.what, exc, call.deadline) from exc
         finally:
-            self._state.leave_call()
+            self._lifecycle.leave_call()
 
     def timeout(self, deadline: Deadline, what: str) -> timedelta:
         """What is left of ``deadline`` (the disarmed timeout when it is disarmed).
@@ -146,21 +146,21 @@ class DeadlineCalls:
     def guard(self, deadline: Deadline, what: str) -> contextlib.AbstractContextManager[object]:
         """A watchdog that aborts the group at ``deadline`` where that releases a blocked
         call (NCCL); nothing where it does not."""
-        traits = self._state.traits
+        traits = self._lifecycle.traits
         if traits is None or not traits.abort_releases:
             return contextlib.nullcontext()
         cause = f"{what} passed its deadline"
         return Watchdog(
-            deadline, lambda: self._state.abort(cause), what=f"{self._spec.label}: {what}"
+            deadline, lambda: self._lifecycle.abort(cause), what=f"{self._spec.label}: {what}"
         )
 
     def failure(self, what: str, exc: BaseException, deadline: Deadline) -> BaseException:
         """The error to raise for a call that did not complete; aborts the group."""
         label = self._spec.label
         if isinstance(exc, RefitError) or not isinstance(exc, Exception):
-            self._state.abort(f"{what}: {exc!r}")
+            self._lifecycle.abort(f"{what}: {exc!r}")
             return exc
-        prior = self._state.abort_cause
+        prior = self._lifecycle.abort_cause
         if prior is not None and not deadline.expired():
             return RefitAbortedError(
                 f"{label}: {what} ended because the group was aborted: {prior}"
@@ -173,7 +173,7 @@ class DeadlineCalls:
         )
         cause = f"{label}: {what} {reason}: {first_line(exc)}"
         logger.warning("%s; aborting the group", cause)
-        self._state.abort(cause)
+        self._lifecycle.abort(cause)
         return RefitTimeoutError(f"{cause}; the group is aborted")
 
     def _wait_in_slices(self, call: PendingCall, work: CallHandle) -> None:
@@ -197,7 +197,7 @@ class DeadlineCalls:
                     # (success, or the group's error) decides, not the slice's timeout.
                     work.wait(timedelta(seconds=_MIN_WAIT_S))
                     return
-            cause = self._state.abort_cause
+            cause = self._lifecycle.abort_cause
             if cause is not None:
                 raise RefitAbortedError(
                     f"{self._spec.label}: {call.what} abandoned: the group was aborted ({cause})"

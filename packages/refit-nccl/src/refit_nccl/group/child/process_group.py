@@ -34,8 +34,8 @@ class ChildProcessGroup(AbortableProcessGroup):
     def __init__(self, spec: GroupSpec) -> None:
         super().__init__(dataclasses.replace(spec, in_child=True))
         # The parent bounds every wait itself; killing the child is what releases it.
-        self._state.traits = dataclasses.replace(
-            self._state.known_traits,
+        self._lifecycle.traits = dataclasses.replace(
+            self._lifecycle.known_traits,
             per_call_timeout=True,
             abort_releases=False,
             waits_in_slices=False,

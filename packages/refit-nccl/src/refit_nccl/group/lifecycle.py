@@ -1,4 +1,4 @@
-"""What a group holds and whether it may still be used (:class:`GroupState`)."""
+"""A group's lifecycle: what it holds, whether it may still be used (:class:`GroupLifecycle`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from torch._C._distributed_c10d import TCPStore
 from refit_core import RefitAbortedError
 from refit_nccl.group.traits import BackendTraits, Communicator
 
-__all__ = ["GroupState"]
+__all__ = ["GroupLifecycle"]
 
 logger = logging.getLogger(__name__)
 
 
-class GroupState:
+class GroupLifecycle:
     """A group's communicator and store, its backend's traits, the calls in flight, and the
     cause of its first abort. Safe from any thread.
 
