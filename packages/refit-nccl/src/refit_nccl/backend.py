@@ -23,7 +23,7 @@ from refit_nccl.transfer.geometry import (
     require_vllm_defaults,
 )
 from refit_nccl.transfer.handshake import agree_on_plan
-from refit_nccl.transfer.plan import Bucket, Slot, TransferPlan
+from refit_nccl.transfer.plan import PackedBucket, Slot, TransferPlan
 from refit_nccl.transfer.stats import TransferStats
 from refit_nccl.transfer.storage import PlanStorage, StagingBuffers
 from refit_nccl.vllm_native.trainer import VllmPeerTrainer
@@ -32,7 +32,6 @@ __all__ = [
     "DEFAULT_GEOMETRY",
     "AbortableProcessGroup",
     "Backend",
-    "Bucket",
     "ChildProcessGroup",
     "Consumer",
     "DeviceReport",
@@ -42,6 +41,7 @@ __all__ = [
     "GroupSpec",
     "JoinRequest",
     "Membership",
+    "PackedBucket",
     "PeerTrainer",
     "PendingCall",
     "PlanStorage",

@@ -34,9 +34,10 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Convention", "Rendezvous", "convention_of"]
+__all__ = ["Convention", "ConventionName", "convention_of"]
 
-Rendezvous = Literal["refit", "vllm", "sglang"]
+ConventionName = Literal["refit", "vllm", "sglang"]
+"""The name of a rendezvous convention (``GroupSpec.rendezvous``)."""
 
 
 def _tcp_uri(host: str, port: int) -> str:
@@ -58,7 +59,7 @@ class Convention:
         counts_ranks: whether the warm-up sum must equal the world size (else zero).
     """
 
-    name: Rendezvous
+    name: ConventionName
     warm_up_value: float | None
     counts_ranks: bool
 

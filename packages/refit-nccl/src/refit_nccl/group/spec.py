@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refit_nccl.group.devices import DeviceType, native_backend
-from refit_nccl.group.rendezvous import Convention, Rendezvous, convention_of
+from refit_nccl.group.rendezvous import Convention, ConventionName, convention_of
 from refit_nccl.group.traits import Backend, traits_for
 
 __all__ = ["DISARMED_TIMEOUT_S", "GroupSpec"]
@@ -48,7 +48,7 @@ class GroupSpec:
     backend: Backend | None = "gloo"
     name: str = "refit"
     disarmed_timeout_s: float = DISARMED_TIMEOUT_S
-    rendezvous: Rendezvous = "refit"
+    rendezvous: ConventionName = "refit"
     in_child: bool = False
     device: DeviceType | None = None
 

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol, cast
 import torch
 from torch._C._distributed_c10d import Store
 
-from refit_nccl.group.rendezvous import Rendezvous
+from refit_nccl.group.rendezvous import ConventionName
 
 __all__ = [
     "Backend",
@@ -200,7 +200,7 @@ def traits_of(backend: str) -> BackendTraits:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_TRAITS)}") from None
 
 
-def traits_for(backend: str, rendezvous: Rendezvous) -> BackendTraits:
+def traits_for(backend: str, rendezvous: ConventionName) -> BackendTraits:
     """The traits of ``backend`` on the ``rendezvous`` convention: on vLLM's, ``nccl`` is
     vLLM's own ``PyNcclCommunicator`` (vLLM's receiver joins nothing else)."""
     traits = traits_of(backend)

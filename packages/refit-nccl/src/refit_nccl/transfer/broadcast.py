@@ -23,7 +23,7 @@ from refit_nccl.group.abortable import AbortableProcessGroup
 from refit_nccl.group.calls import PendingCall
 from refit_nccl.group.tensors import wire_view
 from refit_nccl.transfer.packing import check_tensor, pack_bucket, unpack_bucket
-from refit_nccl.transfer.plan import Bucket, TransferPlan
+from refit_nccl.transfer.plan import PackedBucket, TransferPlan
 from refit_nccl.transfer.stats import TransferStats
 from refit_nccl.transfer.storage import PlanStorage, StagingBuffers
 
@@ -49,7 +49,7 @@ def _drain(in_flight: deque[PendingCall]) -> None:
             logger.debug("in-flight call ended with an error after the first failure")
 
 
-def _take(items: Iterator[tuple[str, torch.Tensor]], bucket: Bucket) -> list[torch.Tensor]:
+def _take(items: Iterator[tuple[str, torch.Tensor]], bucket: PackedBucket) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for slot in bucket.slots:
         item = next(items, None)
@@ -159,7 +159,7 @@ def receive_packed(
     buffers = (staging or StagingBuffers()).get(count, plan.buffer_bytes, group.device)
     free = list(range(len(buffers)))
     pending = iter(enumerate(plan.buckets))
-    posted: deque[tuple[Bucket, torch.Tensor, int | None]] = deque()
+    posted: deque[tuple[PackedBucket, torch.Tensor, int | None]] = deque()
     in_flight: deque[PendingCall] = deque()
     consume_s = wait_s = 0.0
 
