@@ -20,8 +20,10 @@ from refit_lab.reference_engine import (
     random_checkpoint,
 )
 from refit_lab.trainer import SimulatedTrainer
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint, EngineStatus, TrainerEndpoint
+from refit_nccl.roles.contract import WorkerRefitStatus
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.roles.trainer import TrainerEndpoint
+from refit_nccl.transfer.stats import TransferStats
 
 
 class SlowLoadingEngine(ReferenceEngine):
@@ -75,7 +77,7 @@ class EngineWorker(EngineEndpoint, EngineWorkerProbes):
         """Say in every status that this worker cannot stage (as a vLLM worker does)."""
         self.stages = False
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         return dataclasses.replace(super().refit_status(), can_stage=self.stages)
 
     @property

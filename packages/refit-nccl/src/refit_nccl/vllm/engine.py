@@ -3,7 +3,7 @@
 Registered with ``WeightTransferEngineFactory`` under :data:`~refit_nccl.vllm.BACKEND` by the
 ``vllm.general_plugins`` entry point of refit-nccl, so an engine started with
 ``weight_transfer_config={"backend": "refit_nccl"}`` builds one in each worker (every tensor
-parallel rank). It holds an :class:`~refit_nccl.endpoint.EngineEndpoint` whose engine is the
+parallel rank). It holds an :class:`~refit_nccl.roles.engine.EngineEndpoint` whose engine is the
 worker's model. Each rank joins the refit group as a rank of its own and receives every
 checkpoint tensor whole; vLLM's loader keeps the rank's slice.
 
@@ -36,9 +36,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from refit_core import RefitError
 from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name, in_thread
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint, EngineStatus
-from refit_nccl.geometry import DEFAULT_GEOMETRY
+from refit_nccl.roles.contract import WorkerRefitStatus
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY
+from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
 
@@ -66,7 +67,7 @@ class CollectiveUpdateInfo:
 
 
 class _WorkerModel:
-    """The worker's model as a :class:`~refit_nccl.endpoint.CollectiveEngine`."""
+    """The worker's model as a :class:`~refit_nccl.roles.engine.CollectiveEngine`."""
 
     def __init__(self, receiver: VllmCollectiveReceiver) -> None:
         self._receiver = receiver
@@ -237,7 +238,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         else:
             self.loading.abandon()
 
-    def status(self) -> EngineStatus:
+    def status(self) -> WorkerRefitStatus:
         """The endpoint's state, closed only if the model holds weights of no served version
         (a staged transfer never writes it), with this receiver's staging (it stages when
         staged)."""

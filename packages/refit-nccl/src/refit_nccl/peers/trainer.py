@@ -15,11 +15,12 @@ from typing import Generic, Protocol, TypeVar
 
 from refit_core import RefitAbortedError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.child import make_group
-from refit_nccl.devices import DeviceReport, DeviceType
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.roles import CollectiveTrainerRole, JoinRequest, StateItems
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.child.process_group import make_group
+from refit_nccl.group.devices import DeviceReport, DeviceType
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.roles.contract import CollectiveTrainerRole, JoinRequest, StateItems
+from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["PeerTrainer"]
 
@@ -37,7 +38,7 @@ PlanT = TypeVar("PlanT", bound=_Plan)
 class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
     """The sending trainer rank (rank 0) of a refit into engines of another protocol.
 
-    Plays :class:`~refit_nccl.roles.CollectiveTrainerRole` for refit-nccl's synchronizer
+    Plays :class:`~refit_nccl.roles.contract.CollectiveTrainerRole` for refit-nccl's synchronizer
     (``refit_device``, ``refit_state``, ``refit_plan``, ``refit_join``, ``refit_transfer``,
     ``refit_abort``). Every group call runs under the
     remaining deadline, so this side never hangs.

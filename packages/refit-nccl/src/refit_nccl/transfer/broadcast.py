@@ -14,55 +14,25 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from refit_core import ProtocolError, RefitError
 from refit_core.backend import Deadline
-from refit_nccl.group import AbortableProcessGroup, PendingCall
-from refit_nccl.packing import check_tensor, pack_bucket, unpack_bucket, wire_view
-from refit_nccl.plan import Bucket, TransferPlan
-from refit_nccl.storage import PlanStorage, StagingBuffers
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.calls import PendingCall
+from refit_nccl.group.tensors import wire_view
+from refit_nccl.transfer.packing import check_tensor, pack_bucket, unpack_bucket
+from refit_nccl.transfer.plan import PackedBucket, TransferPlan
+from refit_nccl.transfer.stats import TransferStats
+from refit_nccl.transfer.storage import PlanStorage, StagingBuffers
 
-__all__ = ["Consumer", "TransferStats", "receive_packed", "send_packed"]
+__all__ = ["Consumer", "receive_packed", "send_packed"]
 
 logger = logging.getLogger(__name__)
 
 Consumer = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's ``(name, tensor)`` pairs; the tensors are only valid during the call."""
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    """What one side of a transfer did; times in seconds.
-
-    Attributes:
-        buckets: buckets moved.
-        wire_bytes: bytes broadcast (alignment padding included).
-        dense_bytes: bytes of the tensors themselves.
-        pack_s: sender time spent packing.
-        consume_s: receiver time spent in the consumer.
-        wait_s: time blocked on the communicator.
-        total_s: wall time of the transfer.
-    """
-
-    buckets: int
-    wire_bytes: int
-    dense_bytes: int
-    pack_s: float
-    consume_s: float
-    wait_s: float
-    total_s: float
-
-    @classmethod
-    def since(
-        cls, started: float, buckets: int, wire_bytes: int, dense_bytes: int
-    ) -> TransferStats:
-        """Stats of a transfer that an engine ran on its own, so only its wall time since
-        ``started`` (``time.monotonic()``) is known."""
-        elapsed = time.monotonic() - started
-        return cls(buckets, wire_bytes, dense_bytes, 0.0, 0.0, elapsed, elapsed)
 
 
 def _buffer_count(plan: TransferPlan) -> int:
@@ -79,7 +49,7 @@ def _drain(in_flight: deque[PendingCall]) -> None:
             logger.debug("in-flight call ended with an error after the first failure")
 
 
-def _take(items: Iterator[tuple[str, torch.Tensor]], bucket: Bucket) -> list[torch.Tensor]:
+def _take(items: Iterator[tuple[str, torch.Tensor]], bucket: PackedBucket) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for slot in bucket.slots:
         item = next(items, None)
@@ -189,7 +159,7 @@ def receive_packed(
     buffers = (staging or StagingBuffers()).get(count, plan.buffer_bytes, group.device)
     free = list(range(len(buffers)))
     pending = iter(enumerate(plan.buckets))
-    posted: deque[tuple[Bucket, torch.Tensor, int | None]] = deque()
+    posted: deque[tuple[PackedBucket, torch.Tensor, int | None]] = deque()
     in_flight: deque[PendingCall] = deque()
     consume_s = wait_s = 0.0
 

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol, cast
 import torch
 from torch._C._distributed_c10d import Store
 
-from refit_nccl.rendezvous import Rendezvous
+from refit_nccl.group.rendezvous import ConventionName
 
 __all__ = [
     "Backend",
@@ -52,7 +52,7 @@ class RewaitableHandle(CallHandle, Protocol):
 
 class Communicator(Protocol):
     """The calls refit makes on a communicator (``ProcessGroupGloo``/``NCCL``, or
-    :class:`~refit_nccl.child.ChildCommunicator`)."""
+    :class:`~refit_nccl.group.child.communicator.ChildCommunicator`)."""
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> CallHandle: ...
 
@@ -82,7 +82,7 @@ class BackendTraits:
         per_call_timeout: ops take the remaining deadline as their own timeout, which
             releases a blocked caller (gloo).
         abort_releases: ``abort()`` from another thread releases a blocked call (NCCL), so
-            calls run under a :class:`~refit_nccl.watchdog.Watchdog`.
+            calls run under a :class:`~refit_nccl.group.watchdog.Watchdog`.
         construct: ``(store, rank, size, timeout, rendezvous host, device) -> communicator``;
             quick, creates nothing that waits on peers.
         connect: ``(communicator, device, timeout)``: creates the communicator's connections
@@ -200,7 +200,7 @@ def traits_of(backend: str) -> BackendTraits:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_TRAITS)}") from None
 
 
-def traits_for(backend: str, rendezvous: Rendezvous) -> BackendTraits:
+def traits_for(backend: str, rendezvous: ConventionName) -> BackendTraits:
     """The traits of ``backend`` on the ``rendezvous`` convention: on vLLM's, ``nccl`` is
     vLLM's own ``PyNcclCommunicator`` (vLLM's receiver joins nothing else)."""
     traits = traits_of(backend)

@@ -25,7 +25,7 @@ import torch
 from refit_core import GeometryMismatchError, StateDictInfo, TensorSpec
 from refit_core.backend import CollectiveSenderSpec
 
-__all__ = ["ALIGN_BYTES", "PACKING_RULES", "Bucket", "Slot", "TransferPlan", "torch_dtype"]
+__all__ = ["ALIGN_BYTES", "PACKING_RULES", "PackedBucket", "Slot", "TransferPlan", "torch_dtype"]
 
 ALIGN_BYTES = 16
 """Alignment of every tensor inside a ``refit`` bucket (valid for every dtype view)."""
@@ -57,8 +57,9 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """Tensors broadcast together as ``nbytes`` bytes; a solo bucket holds one large tensor."""
+class PackedBucket:
+    """One bucket of a transfer plan: tensors broadcast together as ``nbytes`` bytes; a solo
+    bucket holds one large tensor (a source's own buckets are ``refit_core.sources.Bucket``)."""
 
     slots: tuple[Slot, ...]
     nbytes: int
@@ -73,12 +74,12 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _bucket(slots: list[Slot]) -> Bucket:
-    return Bucket(tuple(slots), slots[-1].offset + slots[-1].nbytes)
+def _bucket(slots: list[Slot]) -> PackedBucket:
+    return PackedBucket(tuple(slots), slots[-1].offset + slots[-1].nbytes)
 
 
-def _refit_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[Bucket]:
-    buckets: list[Bucket] = []
+def _refit_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[PackedBucket]:
+    buckets: list[PackedBucket] = []
     slots: list[Slot] = []
     for name, spec in items:
         size = _nbytes(spec)
@@ -86,7 +87,7 @@ def _refit_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[Buc
             if slots:
                 buckets.append(_bucket(slots))
                 slots = []
-            buckets.append(Bucket((Slot(name, spec, 0, size),), size, solo=True))
+            buckets.append(PackedBucket((Slot(name, spec, 0, size),), size, solo=True))
             continue
         start = _align(slots[-1].offset + slots[-1].nbytes) if slots else 0
         if slots and start + size > limit:
@@ -98,8 +99,8 @@ def _refit_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[Buc
     return buckets
 
 
-def _vllm_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[Bucket]:
-    buckets: list[Bucket] = []
+def _vllm_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[PackedBucket]:
+    buckets: list[PackedBucket] = []
     slots: list[Slot] = []
     offset = 0
     for name, spec in items:
@@ -114,14 +115,14 @@ def _vllm_rule(items: Iterable[tuple[str, TensorSpec]], limit: int) -> list[Buck
         slots.append(Slot(name, spec, offset, size))
         offset += size
         if offset > limit:
-            buckets.append(Bucket(tuple(slots), offset))
+            buckets.append(PackedBucket(tuple(slots), offset))
             slots, offset = [], 0
     if slots:
-        buckets.append(Bucket(tuple(slots), offset))
+        buckets.append(PackedBucket(tuple(slots), offset))
     return buckets
 
 
-PACKING_RULES: dict[str, Callable[[Iterable[tuple[str, TensorSpec]], int], list[Bucket]]] = {
+PACKING_RULES: dict[str, Callable[[Iterable[tuple[str, TensorSpec]], int], list[PackedBucket]]] = {
     "refit": _refit_rule,
     "vllm": _vllm_rule,
 }
@@ -133,7 +134,7 @@ class TransferPlan:
     """Buckets of one transfer, in broadcast order; build it with :meth:`build`."""
 
     geometry: CollectiveSenderSpec
-    buckets: tuple[Bucket, ...]
+    buckets: tuple[PackedBucket, ...]
 
     @classmethod
     def build(cls, info: StateDictInfo, geometry: CollectiveSenderSpec) -> TransferPlan:

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from refit_core import BackendNotInstalledError, GeometryMismatchError
-from refit_nccl.backends import Backend
+from refit_nccl.group.traits import Backend
 
 __all__ = [
     "DeviceMismatchError",

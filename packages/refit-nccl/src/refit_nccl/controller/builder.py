@@ -23,9 +23,10 @@ from refit_core.backend import (
     RendezvousCluster,
     SynchronizerRequest,
 )
-from refit_nccl.endpoint import TrainerEndpoint
-from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole
-from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer, ShardMap
+from refit_nccl.controller.options import CollectiveOptions
+from refit_nccl.controller.synchronizer import CollectiveWeightSynchronizer
+from refit_nccl.roles.contract import CollectiveEngineRole, CollectiveTrainerRole, ShardMap
+from refit_nccl.roles.trainer import TrainerEndpoint
 
 __all__ = [
     "CollectiveGeneration",

@@ -13,20 +13,16 @@ import torch
 
 from refit_core import ProtocolError
 from refit_core.backend import dtype_name
-from refit_nccl.plan import Bucket, Slot
+from refit_nccl.group.tensors import wire_view
+from refit_nccl.transfer.plan import PackedBucket, Slot
 
-__all__ = ["check_tensor", "pack_bucket", "slot_view", "unpack_bucket", "wire_view"]
+__all__ = ["check_tensor", "pack_bucket", "slot_view", "unpack_bucket"]
 
 
 def slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The slot's bytes of a uint8 ``buffer`` as a tensor of the slot's dtype and shape."""
     raw = buffer[slot.offset : slot.offset + slot.nbytes]
     return raw.view(slot.dtype).view(slot.spec.shape)
-
-
-def wire_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat uint8 tensor (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _plain_cpu(tensor: torch.Tensor) -> bool:
@@ -47,7 +43,9 @@ def check_tensor(slot: Slot, name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+def pack_bucket(
+    bucket: PackedBucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor
+) -> None:
     """Copy ``tensors`` (any layout or device) into their slots of ``buffer``."""
     raw = buffer.numpy() if _plain_cpu(buffer) else None
     for slot, tensor in zip(bucket.slots, tensors, strict=True):
@@ -58,6 +56,6 @@ def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.T
             slot_view(buffer, slot).copy_(source)
 
 
-def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(bucket: PackedBucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """``(name, view)`` of every tensor of a received bucket; the views alias ``buffer``."""
     return [(slot.name, slot_view(buffer, slot)) for slot in bucket.slots]

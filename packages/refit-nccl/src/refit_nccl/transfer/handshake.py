@@ -6,7 +6,7 @@ import torch
 
 from refit_core import GeometryMismatchError
 from refit_core.backend import Deadline
-from refit_nccl.group import AbortableProcessGroup
+from refit_nccl.group.abortable import AbortableProcessGroup
 
 __all__ = ["agree_on_plan"]
 

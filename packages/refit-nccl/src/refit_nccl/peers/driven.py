@@ -17,11 +17,15 @@ from collections.abc import Hashable
 
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec, InFlight, LocalParticipant
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.devices import DeviceReport
-from refit_nccl.endpoint import EngineStatus
-from refit_nccl.plan import TransferPlan
-from refit_nccl.roles import CollectiveEngineRole, JoinRequest, StateItems
+from refit_nccl.group.devices import DeviceReport
+from refit_nccl.roles.contract import (
+    CollectiveEngineRole,
+    JoinRequest,
+    StateItems,
+    WorkerRefitStatus,
+)
+from refit_nccl.transfer.plan import TransferPlan
+from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["DrivenRankEndpoint", "DrivenRankParticipant"]
 
@@ -30,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 class DrivenRankEndpoint(CollectiveEngineRole):
     """Rank ``local_rank`` of an engine that refit drives through the engine's own calls,
-    playing :class:`~refit_nccl.roles.CollectiveEngineRole` (each call blocks;
+    playing :class:`~refit_nccl.roles.contract.CollectiveEngineRole` (each call blocks;
     :class:`DrivenRankParticipant` runs it on a thread of its own).
 
     A subclass says how the engine joins, updates and commits.
@@ -121,7 +125,7 @@ class DrivenRankEndpoint(CollectiveEngineRole):
             self._commit_engine(version)
         return version
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         """Not known: the engine reports no refit state of its own.
 
         Raises:

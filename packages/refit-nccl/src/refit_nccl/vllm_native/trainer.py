@@ -5,7 +5,7 @@ vLLM's receiver (``NCCLWeightTransferEngine`` in vLLM 0.32.0,
 worker) joins from its init info alone (address, port, rank offset, world size) and cuts
 buckets from the update info by its packing rule. So this trainer hosts the group with vLLM's
 rendezvous (``GroupSpec.rendezvous="vllm"``: vLLM's store keys and one-element zero warm-up,
-see :mod:`refit_nccl.rendezvous`), runs no plan-digest handshake, and packs by vLLM's rule
+see :mod:`refit_nccl.group.rendezvous`), runs no plan-digest handshake, and packs by vLLM's rule
 (``CollectiveSenderSpec.peer == "vllm"``; check the receiver's geometry with
 :func:`refit_nccl.require_vllm_defaults`). On the ``nccl`` backend the group's communicator is
 vLLM's own ``PyNcclCommunicator`` (:mod:`refit_nccl.vllm_native`), so a CUDA trainer without
@@ -20,13 +20,15 @@ import logging
 
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike
-from refit_nccl.broadcast import TransferStats, send_packed
-from refit_nccl.devices import DeviceReport, DeviceType, local_device
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.peer import PeerTrainer
-from refit_nccl.plan import TransferPlan
-from refit_nccl.roles import JoinRequest, StateItems
-from refit_nccl.storage import StagingBuffers
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.devices import DeviceReport, DeviceType, local_device
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.peers.trainer import PeerTrainer
+from refit_nccl.roles.contract import JoinRequest, StateItems
+from refit_nccl.transfer.broadcast import send_packed
+from refit_nccl.transfer.plan import TransferPlan
+from refit_nccl.transfer.stats import TransferStats
+from refit_nccl.transfer.storage import StagingBuffers
 from refit_nccl.vllm_native.availability import VLLM_INSTALL_HINT, vllm_nccl_missing
 
 __all__ = ["VllmPeerTrainer"]

@@ -6,29 +6,37 @@ roles, whatever runs it (a Ray actor serving :class:`~refit_nccl.TrainerEndpoint
 engine reached over HTTP or vLLM's RPC). The controller names these methods in its calls
 (``participant.call(CollectiveEngineRole.refit_commit, version)``), so a renamed or
 mistyped call is a type error.
+
+This module is the contract alone (the roles, what they take and what they answer), so
+anything may import it: it imports no other module of its folder, and nothing above
+:mod:`refit_nccl.group` and :mod:`refit_nccl.transfer`, whose types it names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from refit_core import TensorSpec
+from refit_core.backend import Participant
 
 if TYPE_CHECKING:
     from refit_core.backend import CollectiveSenderSpec
-    from refit_nccl.broadcast import TransferStats
-    from refit_nccl.devices import DeviceReport
-    from refit_nccl.endpoint import CommitStats, EngineStatus
-    from refit_nccl.group import GroupSpec
+    from refit_nccl.group.devices import DeviceReport
+    from refit_nccl.group.spec import GroupSpec
+    from refit_nccl.transfer.stats import TransferStats
 
 __all__ = [
     "CollectiveEngineRole",
     "CollectiveMemberRole",
     "CollectiveStagingRole",
     "CollectiveTrainerRole",
+    "CommitStats",
     "JoinRequest",
+    "ShardMap",
     "StateItems",
+    "WorkerRefitStatus",
 ]
 
 StateItems = tuple[tuple[str, TensorSpec], ...]
@@ -50,6 +58,50 @@ class JoinRequest:
     state: StateItems
     geometry: CollectiveSenderSpec
     timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class WorkerRefitStatus:
+    """An engine worker's refit state, as it reports it (``refit_status()``); the
+    controller turns these into :class:`refit_core.EngineStatus` entries of its fleet status.
+
+    Attributes:
+        committed_version: the version it serves (0: its initial weights).
+        loaded_version: the version fully received and loaded but maybe not committed.
+        dirty: a transfer failed part-way; the weights are mixed until the next full refit.
+        connected: whether its group is usable.
+        abort_cause: why its group was aborted, if it was.
+        closed: its weights changed since the last commit: it serves nothing (its engine
+            was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
+        staged_version: the version staged beside the engine, awaiting its commit.
+        can_stage: whether it can stage a refit (:class:`CollectiveStagingRole`).
+        began_version: the highest version a transfer or staging ever began here (committed
+            or not), so that a new controller never reuses it.
+    """
+
+    committed_version: int
+    loaded_version: int | None
+    dirty: bool
+    connected: bool
+    abort_cause: str | None
+    closed: bool = False
+    staged_version: int | None = None
+    can_stage: bool = False
+    began_version: int = 0
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    """What committing a staged refit did on one engine worker.
+
+    Attributes:
+        version: the version it serves now.
+        paused_s: how long its engine was paused: from the return of ``on_refit_begin`` (the
+            engine at a step boundary) to that of ``on_refit_commit``.
+    """
+
+    version: int
+    paused_s: float
 
 
 class CollectiveMemberRole(Protocol):
@@ -100,7 +152,7 @@ class CollectiveEngineRole(CollectiveMemberRole, Protocol):
         """Serve ``version``, fully received by the last transfer; returns it."""
         ...
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         """This worker's refit state (the fleet status and a failure's engine reports)."""
         ...
 
@@ -125,3 +177,7 @@ class CollectiveStagingRole(CollectiveEngineRole, Protocol):
     def refit_drop_staged(self, version: int) -> None:
         """Forget the staged ``version`` (nothing happens to the engine)."""
         ...
+
+
+ShardMap = Mapping[int, Sequence[Participant[CollectiveEngineRole]]]
+"""Engine shard index -> its workers, in local-rank order, as the controller reaches them."""

@@ -1,55 +1,33 @@
-"""The participant side of a collective refit: what each trainer rank and engine worker runs.
-
-An endpoint is a plain object playing a role of :mod:`refit_nccl.roles`, whose ``refit_*``
-methods the controller calls, usually as a Ray actor (``ray.remote(EngineEndpoint).options(max_concurrency=2)``, so ``refit_abort`` is
-served while a transfer blocks) or as a member of a framework's own worker that forwards
-those methods. Every call that touches the group carries the remaining deadline, armed here,
-inside the participant.
-"""
+"""An engine worker's endpoint (:class:`EngineEndpoint`): receives every bucket into its
+engine (:class:`CollectiveEngine`) and commits on request, or stages a refit beside it."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from refit_core import (
-    GeometryMismatchError,
-    RefitAbortedError,
-    RefitError,
-    RefitTimeoutError,
-    TensorSpec,
-)
-from refit_core.backend import CollectiveSenderSpec, Deadline, PolicyLike, notify
-from refit_core.sources import ShardedWeightSource
-from refit_nccl.broadcast import TransferStats, receive_packed, send_packed
-from refit_nccl.child import make_group
-from refit_nccl.devices import DeviceReport, DeviceType
-from refit_nccl.geometry import DEFAULT_GEOMETRY
-from refit_nccl.group import AbortableProcessGroup
-from refit_nccl.handshake import agree_on_plan
-from refit_nccl.plan import TransferPlan
-from refit_nccl.roles import (
+from refit_core import GeometryMismatchError, RefitError, TensorSpec
+from refit_core.backend import CollectiveSenderSpec, Deadline, notify
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.devices import DeviceType
+from refit_nccl.roles.contract import (
     CollectiveStagingRole,
-    CollectiveTrainerRole,
-    JoinRequest,
+    CommitStats,
     StateItems,
+    WorkerRefitStatus,
 )
-from refit_nccl.storage import PlanStorage, StagingBuffers
+from refit_nccl.roles.member import MemberEndpoint, participant_deadline
+from refit_nccl.transfer.broadcast import receive_packed
+from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY
+from refit_nccl.transfer.plan import TransferPlan
+from refit_nccl.transfer.stats import TransferStats
+from refit_nccl.transfer.storage import PlanStorage
 
-__all__ = [
-    "CollectiveEngine",
-    "CommitStats",
-    "EngineEndpoint",
-    "EngineStatus",
-    "TrainerEndpoint",
-]
+__all__ = ["CollectiveEngine", "EngineEndpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,206 +53,7 @@ class CollectiveEngine(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class EngineStatus:
-    """An engine worker's refit state.
-
-    Attributes:
-        committed_version: the version it serves (0: its initial weights).
-        loaded_version: the version fully received and loaded but maybe not committed.
-        dirty: a transfer failed part-way; the weights are mixed until the next full refit.
-        connected: whether its group is usable.
-        abort_cause: why its group was aborted, if it was.
-        closed: its weights changed since the last commit: it serves nothing (its engine
-            was told through ``on_refit_begin`` / ``on_refit_abort``) until a refit commits.
-        staged_version: the version staged beside the engine, awaiting its commit.
-        can_stage: whether it can stage a refit (:class:`~refit_nccl.roles.CollectiveStagingRole`).
-        began_version: the highest version a transfer or staging ever began here (committed
-            or not), so that a new controller never reuses it.
-    """
-
-    committed_version: int
-    loaded_version: int | None
-    dirty: bool
-    connected: bool
-    abort_cause: str | None
-    closed: bool = False
-    staged_version: int | None = None
-    can_stage: bool = False
-    began_version: int = 0
-
-
-@dataclass(frozen=True)
-class CommitStats:
-    """What committing a staged refit did on one engine worker.
-
-    Attributes:
-        version: the version it serves now.
-        paused_s: how long its engine was paused: from the return of ``on_refit_begin`` (the
-            engine at a step boundary) to that of ``on_refit_commit``.
-    """
-
-    version: int
-    paused_s: float
-
-
-def _deadline(timeout_s: float | None, what: str) -> Deadline:
-    """The participant's own deadline from what the controller said was left."""
-    if timeout_s is not None and timeout_s <= 0:
-        raise RefitTimeoutError(f"no time left for {what}")
-    return Deadline.after(timeout_s)
-
-
-class _Endpoint(ABC):
-    """Group membership, plan and deadline handling shared by both roles.
-
-    Args:
-        device: where this participant's tensors live; None: this process's device (CUDA
-            where it can use a GPU).
-    """
-
-    def __init__(self, device: DeviceType | None = None) -> None:
-        self._lock = threading.Lock()
-        self._group: AbortableProcessGroup | None = None
-        self._plan: TransferPlan | None = None
-        self._staging = StagingBuffers()
-        self._device = device
-
-    def refit_device(self) -> DeviceReport:
-        """Where this participant's tensors live and which backends it can join (the
-        controller chooses the group's backend from every member's report)."""
-        return DeviceReport.of(self._device)
-
-    def refit_plan(self, state: StateItems, geometry: CollectiveSenderSpec) -> str:
-        """Check ``state`` and ``geometry`` against this participant and return the plan
-        digest, without joining anything (the controller compares digests before any
-        rendezvous, so a mismatch never leaves peers waiting in one).
-
-        Raises:
-            GeometryMismatchError: this participant cannot take part in such a transfer.
-        """
-        return self._plan_for(state, geometry).digest
-
-    def refit_join(self, request: JoinRequest) -> str:
-        """Leave any previous group, join ``request.group`` and agree on the plan.
-
-        Returns the plan digest.
-
-        Raises:
-            GeometryMismatchError: this participant plans differently from the others.
-            RefitTimeoutError: the rendezvous or the handshake passed the deadline.
-        """
-        with self._lock:
-            self._leave("joining a new group")
-            deadline = _deadline(request.timeout_s, "join")
-            plan = self._plan_for(request.state, request.geometry)
-            group = make_group(request.group)
-            self._group = group
-            group.connect(deadline)
-            try:
-                agree_on_plan(group, plan.digest, deadline)
-            except RefitError as exc:
-                group.abort(f"handshake failed: {exc}")
-                raise
-            self._plan = plan
-            logger.info("%s: joined, plan %s", request.group.label, plan.digest[:16])
-            return plan.digest
-
-    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
-        """Move one refit's weights through the group (the role decides the direction).
-
-        A transfer that fails leaves its buffers to the calls it abandoned (they end by
-        their own timeout): the next transfer packs into fresh ones.
-        """
-        with self._lock:
-            group, plan = self._joined()
-            try:
-                return self._transfer(group, plan, version, _deadline(timeout_s, "transfer"))
-            except BaseException:
-                self._staging = StagingBuffers()
-                raise
-
-    def refit_abort(self, cause: str, group_name: str | None = None) -> None:
-        """Abort the current group (only if it is ``group_name``, when given); never blocks,
-        so it is safe while a transfer runs."""
-        group = self._group
-        if group is not None and group_name in (None, group.spec.name):
-            group.abort(cause)
-
-    def _leave(self, cause: str) -> None:
-        if self._group is not None:
-            self._group.abort(cause)
-        self._group = None
-        self._plan = None
-
-    def _joined(self) -> tuple[AbortableProcessGroup, TransferPlan]:
-        group, plan = self._group, self._plan
-        if group is None or plan is None:
-            raise RefitAbortedError("not in a group: call refit_join first")
-        return group, plan
-
-    @abstractmethod
-    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
-        """Check the transfer against this participant and plan it."""
-
-    @abstractmethod
-    def _transfer(
-        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
-    ) -> TransferStats:
-        """Run this participant's side of one transfer."""
-
-
-class TrainerEndpoint(_Endpoint, CollectiveTrainerRole):
-    """A trainer rank: rank 0 broadcasts the policy's weights, other trainer ranks receive
-    and discard them (a broadcast needs every member).
-
-    A sharded source (:class:`~refit_core.sources.ShardedWeightSource`) runs gathers on every
-    trainer rank: only its sending rank joins the refit group, as rank 0, and every other
-    rank drives ``iter_buckets()`` beside the refit; such a rank asking to join is refused.
-
-    Args:
-        policy: where the weights come from; ``weight_source()`` is read on every refit.
-        device: where the policy's tensors live; None: this process's device.
-    """
-
-    def __init__(self, policy: PolicyLike, device: DeviceType | None = None) -> None:
-        super().__init__(device)
-        self._policy = policy
-
-    def refit_join(self, request: JoinRequest) -> str:
-        """See :meth:`_Endpoint.refit_join`; refuses a non-sending rank of a sharded source.
-
-        Raises:
-            GeometryMismatchError: this rank is not rank 0 and its source is sharded.
-        """
-        if request.group.rank and isinstance(self._policy.weight_source(), ShardedWeightSource):
-            raise GeometryMismatchError(
-                f"{request.group.label}: a sharded source gathers on every trainer rank, so only "
-                "its sending rank joins the refit group; drive iter_buckets() on the others"
-            )
-        return super().refit_join(request)
-
-    def refit_state(self) -> StateItems:
-        """The state this trainer sends, in transfer order."""
-        return tuple(self._policy.weight_source().state_dict_info().items())
-
-    def _plan_for(self, state: StateItems, geometry: CollectiveSenderSpec) -> TransferPlan:
-        # The state is trainer rank 0's own; the sender checks every tensor against the plan.
-        return TransferPlan.build(dict(state), geometry)
-
-    def _transfer(
-        self, group: AbortableProcessGroup, plan: TransferPlan, version: int, deadline: Deadline
-    ) -> TransferStats:
-        if group.rank == 0:
-            source = self._policy.weight_source()
-            tensors = ((item.name, item.tensor) for item in source.iter_tensors())
-            stats = send_packed(group, plan, tensors, deadline, staging=self._staging)
-            logger.info("%s: sent version %d in %.3f s", group.spec.label, version, stats.total_s)
-            return stats
-        return receive_packed(group, plan, lambda _: None, deadline, staging=self._staging)
-
-
-class EngineEndpoint(_Endpoint, CollectiveStagingRole):
+class EngineEndpoint(MemberEndpoint, CollectiveStagingRole):
     """An engine worker: receives every bucket into ``engine.load_weights``, commits on request.
 
     It also stages: ``refit_stage`` receives the whole refit into a host copy laid out by the
@@ -363,7 +142,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             return version
 
     def refit_abort(self, cause: str, group_name: str | None = None) -> None:
-        """Abort the group (see :meth:`_Endpoint.refit_abort`); an engine that had loaded
+        """Abort the group (see :meth:`MemberEndpoint.refit_abort`); an engine that had loaded
         the whole refit, which failed elsewhere, is told too: it stays closed, its weights
         being a version nobody committed."""
         super().refit_abort(cause, group_name)
@@ -372,10 +151,10 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             self._loaded = None
             notify(self.engine, "on_refit_abort", loaded, weights_changed=True)
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         """This worker's refit state."""
         group = self._group
-        return EngineStatus(
+        return WorkerRefitStatus(
             self._committed,
             self._loaded,
             self._dirty,
@@ -402,7 +181,7 @@ class EngineEndpoint(_Endpoint, CollectiveStagingRole):
             self._staged_version = None
             self._began = max(self._began, version)
             storage = self._plan_storage(plan)
-            deadline = _deadline(timeout_s, "staging")
+            deadline = participant_deadline(timeout_s, "staging")
             if group.device.type == "cpu":
                 stats = receive_packed(group, plan, lambda _: None, deadline, into=storage)
             else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from refit_nccl.packing import slot_view
-from refit_nccl.plan import TransferPlan
+from refit_nccl.transfer.packing import slot_view
+from refit_nccl.transfer.plan import TransferPlan
 
 __all__ = ["PlanStorage", "StagingBuffers"]
 

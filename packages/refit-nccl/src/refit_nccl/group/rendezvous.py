@@ -13,7 +13,7 @@ Three conventions, chosen by ``GroupSpec.rendezvous``:
   right after it joins (``vllm/distributed/device_communicators/pynccl.py``), which every
   foreign peer must match before any other collective. vLLM's weight-transfer receiver runs
   no plan handshake: it cuts buckets from the update info by its packing rule
-  (:data:`refit_nccl.plan.PACKING_RULES` ``["vllm"]``).
+  (:data:`refit_nccl.transfer.plan.PACKING_RULES` ``["vllm"]``).
 
 * ``"sglang"``: what SGLang's weight-update group expects (read in SGLang 0.5.23,
   ``sglang/srt/utils/common.py`` ``init_custom_process_group``, and torch's
@@ -34,9 +34,10 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Convention", "Rendezvous", "convention_of"]
+__all__ = ["Convention", "ConventionName", "convention_of"]
 
-Rendezvous = Literal["refit", "vllm", "sglang"]
+ConventionName = Literal["refit", "vllm", "sglang"]
+"""The name of a rendezvous convention (``GroupSpec.rendezvous``)."""
 
 
 def _tcp_uri(host: str, port: int) -> str:
@@ -58,7 +59,7 @@ class Convention:
         counts_ranks: whether the warm-up sum must equal the world size (else zero).
     """
 
-    name: Rendezvous
+    name: ConventionName
     warm_up_value: float | None
     counts_ranks: bool
 
