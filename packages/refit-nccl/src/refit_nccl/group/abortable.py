@@ -15,6 +15,7 @@ reports through the store, as SPMD deployments (Megatron) need: no controller de
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -198,25 +199,34 @@ class AbortableProcessGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, deadline: Deadline, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``."""
-        self._check_tensor(tensor)
-        self._check_rank(dst)
-        self._calls.issue(
-            f"send to {dst}", deadline, lambda c, _: c.send([tensor], dst, tag)
-        ).wait()
+        self._one_peer(
+            f"send to {dst}", tensor, dst, deadline, lambda c: c.send([tensor], dst, tag)
+        )
 
     def recv(self, tensor: torch.Tensor, src: int, deadline: Deadline, tag: int = 0) -> None:
         """Receive into ``tensor`` from rank ``src``."""
-        self._check_tensor(tensor)
-        self._check_rank(src)
-        self._calls.issue(
-            f"recv from {src}", deadline, lambda c, _: c.recv([tensor], src, tag)
-        ).wait()
+        self._one_peer(
+            f"recv from {src}", tensor, src, deadline, lambda c: c.recv([tensor], src, tag)
+        )
 
     def barrier(self, deadline: Deadline) -> None:
         """Block until every rank has reached the barrier."""
         # An all-reduce rather than the backend barrier: NCCL's barrier guesses a device
         # and gloo's ignores per-call timeouts.
         self.all_reduce(torch.zeros(1, device=self.device), deadline)
+
+    def _one_peer(
+        self,
+        what: str,
+        tensor: torch.Tensor,
+        peer: int,
+        deadline: Deadline,
+        start: Callable[[Communicator], CallHandle],
+    ) -> None:
+        """Run a blocking call with one ``peer`` (a send or a receive of ``tensor``)."""
+        self._check_tensor(tensor)
+        self._check_rank(peer)
+        self._calls.issue(what, deadline, lambda communicator, _: start(communicator)).wait()
 
     def _check_tensor(self, tensor: torch.Tensor) -> None:
         if tensor.device != self.device:
