@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from refit_core.cli import build_parser
-from refit_lab.bench import codec_gpu
+from refit_lab.bench.codec_gpu import measure_gpu
 from refit_lab.bench.harness import BenchContext
-from refit_lab.device_check.phases import codec as codec_phase
+from refit_lab.device_check.phases.codec import bench_command, read_bench
 from refit_lab.device_check.phases.gpu_tests import gpu_test_files, parse_junit
 from refit_lab.device_check.plan import (
     PHASES,
@@ -210,7 +210,7 @@ def test_every_phase_has_a_module_with_run(phase: str) -> None:
 
 def test_the_codec_phase_command_is_one_refit_accepts() -> None:
     """The phase's ``refit bench codec`` arguments parse with refit's own command line."""
-    command = codec_phase.bench_command(Path("codec.json"))
+    command = bench_command(Path("codec.json"))
     args = build_parser().parse_args(command[command.index("bench") :])
     assert (args.name, args.device, args.size_bytes) == ("codec", "cuda", 8 << 30)
 
@@ -218,8 +218,8 @@ def test_the_codec_phase_command_is_one_refit_accepts() -> None:
 def test_the_codec_phase_reads_what_the_gpu_bench_writes() -> None:
     """The GPU bench's report (its logic run on CPU tensors) gives every field the phase uses."""
     ctx = BenchContext(quick=True, threads=2, size_bytes=1 << 20)
-    report = json.loads(json.dumps(codec_gpu.measure_gpu(ctx, repeats=1, device="cpu").to_json()))
-    measured = codec_phase.read_bench(report)
+    report = json.loads(json.dumps(measure_gpu(ctx, repeats=1, device="cpu").to_json()))
+    measured = read_bench(report)
     summary = report["summary"]
     assert measured["encode_vs_device_copy"] == summary["gpu_encode_fraction_of_d2d_copy"]
     assert measured["apply_gbps"] == summary["gpu_apply_gbps"] > 0

@@ -11,8 +11,7 @@ import pytest
 
 from refit_lab.bench.harness import BENCHES, BenchContext
 from refit_lab.bench.ratio_check import Ratio, Side, Worst, check_summary_ratios
-from refit_lab.bench.scale import ROWS, Sizes, measure
-from refit_lab.bench.scale_models import QUICK_MODELS
+from refit_lab.bench.scale import QUICK_MODELS, ROWS, Sizes, measure
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 

@@ -114,8 +114,8 @@ def test_every_worker_receives_and_refits_equal_vllms_own_load(
 
 
 def test_a_cpu_worker_declares_host_buckets_unless_told_otherwise(engine: Engine) -> None:
-    from refit_nccl.geometry import HOST_GEOMETRY
-    from refit_nccl.roles import CollectiveEngineRole
+    from refit_nccl import CollectiveEngineRole
+    from refit_nccl.backend import HOST_GEOMETRY
     from refit_nccl.vllm import VllmCollectiveGeneration
 
     (workers,) = VllmCollectiveGeneration([engine.llm]).collective_shards().values()
@@ -164,6 +164,20 @@ def test_streamed_refit_whose_trainer_fails_mid_transfer_closes_the_engine_until
     closed_until_a_refit(
         engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
     )
+
+
+def test_a_new_controller_adopts_the_version_the_engine_serves(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    """A second generation and synchronizer (a restarted controller) over an engine serving
+    version N report N, not 0, and refit N+1 without being told a version."""
+    served = _refit(engine, checkpoints, "A")
+    with _synchronizer(CheckpointPolicy(checkpoints, "B'"), _generation(engine)) as sync:
+        status = sync.status()
+        assert status.serving() == {served: (0,)} and status.high_water_mark == served
+        assert sync.sync_weights().version == served + 1
+    engine.version = max(engine.version, served + 1)
+    assert generate(engine.llm) == engine.expected["B'"]
 
 
 def test_a_load_that_leaves_a_kernel_on_the_old_weights_fails_and_closes_the_engine(

@@ -167,6 +167,24 @@ def test_streamed_refit_that_fails_mid_transfer_closes_the_engine_until_a_refit(
     )
 
 
+def test_a_new_controller_adopts_the_version_the_engine_serves(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    """A second generation and synchronizer (a restarted controller) over an engine serving
+    version N start above N by themselves (no StaleBaseError, no version passed by hand)."""
+    served = _refit(engine, checkpoints, "A")
+    generation = _generation(engine)
+    try:
+        with _synchronizer(CheckpointPolicy(checkpoints, "B'"), generation) as sync:
+            status = sync.status()
+            assert set(status.serving()) == {served} and status.high_water_mark == served
+            assert sync.sync_weights().version == served + 1
+    finally:
+        generation.close()
+    engine.version = max(engine.version, served + 1)
+    assert generate(engine.llm) == engine.expected["B'"]
+
+
 def test_a_load_that_leaves_a_kernel_on_the_old_weights_fails_and_closes_the_engine(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:

@@ -25,6 +25,10 @@ def _seconds(case: str, receivers: int) -> Side:
 
 LOOPBACK_RATIOS = {
     "transport_efficiency_vs_raw_zmq": Ratio(_dense("loopback_dense"), _dense("loopback_raw_zmq")),
+    "ceiling_vs_raw_zmq": Ratio(_dense("loopback_transactional_zmq"), _dense("loopback_raw_zmq")),
+    "transport_efficiency_vs_ceiling": Ratio(
+        _dense("loopback_dense"), _dense("loopback_transactional_zmq")
+    ),
 }
 SHAPED_RATIOS = {
     "shaped_sparse_speedup_vs_dense": Ratio(
@@ -83,9 +87,10 @@ def test_loopback_commits_bitexact_and_reports_the_ratio() -> None:
         "loopback_dense",
         "loopback_sparse_1pct",
         "loopback_raw_zmq",
+        "loopback_transactional_zmq",
         "loopback_receiver_extra",
     ]
-    raw, extra = report.results[2:]
+    raw, _, extra = report.results[2:]
     assert float(str(raw["cpu_s"])) > 0 and float(str(extra["cpu_s"])) > 0
     sparse = report.results[1]
     assert int(str(sparse["wire_bytes"])) < int(str(sparse["dense_bytes"])) / 10

@@ -49,6 +49,7 @@ BENCHES: dict[str, str] = {
     "inflight": "refit_lab.bench.inflight:run",
     "inflight_vllm": "refit_lab.bench.inflight_vllm:run",
     "ipc": "refit_lab.bench.ipc:run",
+    "lora": "refit_lab.bench.lora:run",
     "codec": "refit_lab.bench.codec:run",
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",
@@ -325,6 +326,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return "[" + " ".join(f"{v:.3g}" for v in value) + "]"
     return str(value)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 import zmq
 
 from refit_lab.bench.harness import TimingStats, gbps
@@ -34,6 +35,8 @@ FILL = 0xA5
 """Every byte a sender sends; receivers check it."""
 _CHECK_STRIDE = 4099
 _POLL_MS = 100
+_BLOCK_BYTES = 256 * 1024
+"""A transactional receiver's cache-sized block (refit's relay receiver uses the same)."""
 
 
 def _poll_in(sock: zmq.Socket[bytes], deadline: Deadline, poll: Callable[[], None]) -> None:
@@ -43,6 +46,40 @@ def _poll_in(sock: zmq.Socket[bytes], deadline: Deadline, poll: Callable[[], Non
         poll()
 
 
+def _fitting(size: int, chunk_bytes: int) -> int:
+    if size > chunk_bytes:
+        raise RuntimeError(f"zmq receiver: frame of {size} bytes > chunk_bytes")
+    return size
+
+
+class _Transaction:
+    """What a bare transactional receiver does with every frame, and nothing more: xxh3-128 of
+    every byte, the bits it overwrites copied into warm undo memory, the new bits written, in
+    blocks that stay in cache (as refit's relay receiver does); the digest checked per round."""
+
+    def __init__(self, dst: np.ndarray) -> None:
+        self._dst = dst
+        self._undo = np.zeros_like(dst)  # written once here: warm, as a reused undo arena
+        self._expected = xxhash.xxh3_128(np.full(dst.size, FILL, dtype=np.uint8).data).digest()
+        self._hasher = xxhash.xxh3_128()
+
+    def take(self, offset: int, frame: memoryview) -> None:
+        """Apply one received frame at ``offset``."""
+        new = np.frombuffer(frame, dtype=np.uint8)
+        for at in range(0, new.size, _BLOCK_BYTES):
+            block = new[at : at + _BLOCK_BYTES]
+            start, stop = offset + at, offset + at + block.size
+            self._hasher.update(block.data)
+            self._undo[start:stop] = self._dst[start:stop]
+            self._dst[start:stop] = block
+
+    def check(self) -> None:
+        """The round's digest must be the stream's; start the next round."""
+        if self._hasher.digest() != self._expected:
+            raise RuntimeError("zmq transactional receiver: checksum mismatch")
+        self._hasher = xxhash.xxh3_128()
+
+
 def zmq_receiver(
     data_endpoint: str,
     ack_endpoint: str,
@@ -50,13 +87,17 @@ def zmq_receiver(
     chunk_bytes: int,
     rounds: int,
     timeout_s: float,
+    transactional: bool = False,
 ) -> list[float]:
     """Receiver (a child process): pull ``rounds`` x ``nbytes`` into one buffer, ack each
-    round; the CPU seconds (all its threads) of every round but the first."""
+    round; the CPU seconds (all its threads) of every round but the first. Plain: each frame
+    copied into the buffer (``recv_into``). ``transactional``: frames received without a
+    copy and applied as :class:`_Transaction` does."""
     deadline = Deadline(timeout_s, "zmq receiver")
     cpu = [time.process_time()]
     dst = np.zeros(nbytes, dtype=np.uint8)
     view = dst.data
+    transaction = _Transaction(dst) if transactional else None
     with zmq.Context() as ctx:
         ctx.setsockopt(zmq.LINGER, 0)
         with ctx.socket(zmq.PULL) as data, ctx.socket(zmq.PUSH) as ack:
@@ -68,10 +109,17 @@ def zmq_receiver(
                 offset = 0
                 while offset < nbytes:
                     _poll_in(data, deadline, lambda: None)
-                    size = data.recv_into(view[offset : offset + chunk_bytes])
-                    if size > chunk_bytes:
-                        raise RuntimeError(f"zmq receiver: frame of {size} bytes > chunk_bytes")
+                    if transaction is None:
+                        size = _fitting(
+                            data.recv_into(view[offset : offset + chunk_bytes]), chunk_bytes
+                        )
+                    else:
+                        frame = data.recv(copy=False).buffer
+                        size = _fitting(len(frame), chunk_bytes)
+                        transaction.take(offset, frame)
                     offset += size
+                if transaction is not None:
+                    transaction.check()
                 ack.send(round_index.to_bytes(8, "little"))
                 cpu.append(time.process_time())
     if not bool((dst[::_CHECK_STRIDE] == FILL).all()):
@@ -208,16 +256,25 @@ def _default_timeout_s(total_bytes: int) -> float:
 
 class LoopbackStream:
     """A :class:`ZmqStreamSender` on loopback with its receiver in a child process, for
-    ``rounds`` rounds (interleave them with the code under test), and their timings."""
+    ``rounds`` rounds (interleave them with the code under test), and their timings; with
+    ``transactional`` the receiver also hashes, keeps undo data and checks (see
+    :func:`zmq_receiver`)."""
 
     def __init__(
-        self, nbytes: int, *, rounds: int, chunk_bytes: int = MiB, timeout_s: float | None = None
+        self,
+        nbytes: int,
+        *,
+        rounds: int,
+        chunk_bytes: int = MiB,
+        timeout_s: float | None = None,
+        transactional: bool = False,
     ) -> None:
         self.nbytes = nbytes
         self._deadline = Deadline(timeout_s or _default_timeout_s(nbytes * rounds), "zmq reference")
         self._sender = ZmqStreamSender(nbytes, chunk_bytes=chunk_bytes, deadline=self._deadline)
         ((data, ack),) = self._sender.endpoints
-        args = [(data, ack, nbytes, chunk_bytes, rounds, self._deadline.remaining_s())]
+        timeout = self._deadline.remaining_s()
+        args = [(data, ack, nbytes, chunk_bytes, rounds, timeout, transactional)]
         self._group = ChildGroup(zmq_receiver, args, deadline=self._deadline, name="zmq-receiver")
         self.seconds: list[float] = []
         self.sender_cpu_s: list[float] = []

@@ -12,7 +12,10 @@ The raw stream's CPU seconds (both processes, every thread) plus the least work 
 transactional receiver adds to them (xxh3 of every byte and the copy of the bits it overwrites
 into warm undo memory; in process, no network) give ``transport_efficiency_cpu_bound``: the
 most any relay could reach on this machine if all that work were spread perfectly over its
-cores.
+cores. The ceiling is also measured: before each raw round, the same raw stream to a receiver
+that does exactly that work on every frame (received without a copy, hashed, its old bits
+kept, written; the digest checked per round) and nothing else; ``ceiling_vs_raw_zmq`` is
+what it reaches, ``transport_efficiency_vs_ceiling`` how close the relay gets to it.
 
 Shaped (root only; skipped otherwise): hosts in network namespaces joined by veth pairs to
 one bridge, every host's egress shaped with exactly ``tc qdisc add dev <veth> root tbf rate
@@ -558,34 +561,63 @@ def loopback(
         threads=ctx.threads,
         tuning=LOOPBACK_TUNING,
     )
+    rounds = len(dense)
+    ceiling_s: list[float] = []
     with (
         relays([None], ["127.0.0.1"], config, deadline, LOOPBACK_TUNING) as addresses,
-        LoopbackStream(nbytes, rounds=len(dense), chunk_bytes=CHUNK_BYTES) as stream,
+        LoopbackStream(nbytes, rounds=rounds, chunk_bytes=CHUNK_BYTES) as stream,
+        LoopbackStream(
+            nbytes, rounds=rounds, chunk_bytes=CHUNK_BYTES, transactional=True
+        ) as ceiling,
     ):
-        produced = produce(addresses, config, [*dense, *sparse], producing, reference=stream.round)
+
+        def references() -> float:
+            """The ceiling's round, then the raw round (right before the refit)."""
+            ceiling_s.append(ceiling.round())
+            return stream.round()
+
+        produced = produce(addresses, config, [*dense, *sparse], producing, reference=references)
         receiver_cpu = stream.receiver_cpu_s()
+        ceiling.receiver_cpu_s()
     raw_stream = summarize(stream, receiver_cpu, skip=1)
     ctx.progress("loopback: the least work a transactional receiver adds", 0.75)
     work_s = receiver_extra_s(config, repeats)
     rows = produced["rows"]
     timed_dense = rows[1 : repeats + 1]  # the first resync (and raw round) warms up
-    efficiency = _paired(timed_dense, nbytes)
     ours = _median_rows(timed_dense)
     sparse_row = _median_rows(rows[repeats + 1 :])
-    raw = {"case": "loopback_raw_zmq", "dense_bytes": nbytes, "wire_bytes": nbytes}
-    raw.update(seconds=raw_stream.seconds, cpu_s=raw_stream.cpu_s, repeats=repeats)
-    raw.update(rate_fields("gbps_dense", efficiency.reference_rounds_gbps))
+    dense_s = [float(r["seconds"]) for r in timed_dense]
+    raw_s = [float(r["reference_s"]) for r in timed_dense]
+    bare_s = ceiling_s[1:]
+    raw = _stream_row("loopback_raw_zmq", nbytes, raw_s, cpu_s=raw_stream.cpu_s)
+    bare = _stream_row("loopback_transactional_zmq", nbytes, bare_s)
     work = {"case": "loopback_receiver_extra", "dense_bytes": nbytes, "seconds": work_s}
     work.update(cpu_s=work_s, repeats=repeats)
     cores = len(os.sched_getaffinity(0))
     bound_s = max(raw_stream.seconds, (raw_stream.cpu_s + work_s) / cores)
+    results = [ours, sparse_row, raw, bare, work]
     summary: dict[str, float | bool] = {
-        **efficiency.summary("transport_efficiency_vs_raw_zmq"),
+        **_ratio(dense_s, raw_s, nbytes).summary("transport_efficiency_vs_raw_zmq"),
+        **_ratio(bare_s, raw_s, nbytes).summary("ceiling_vs_raw_zmq"),
+        **_ratio(dense_s, bare_s, nbytes).summary("transport_efficiency_vs_ceiling"),
         "transport_efficiency_cpu_bound": raw_stream.seconds / bound_s,
         "loopback_sparse_1pct_gbps_dense": sparse_row["gbps_dense"],
         "loopback_bitexact": produced["bitexact"],
     }
-    return [ours, sparse_row, raw, work], summary
+    return results, summary
+
+
+def _stream_row(case: str, nbytes: int, round_s: list[float], **extra: Any) -> dict[str, Any]:
+    """A reference stream's row: its median seconds and its rate in each round (paired with
+    the refits')."""
+    row = {"case": case, "dense_bytes": nbytes, "wire_bytes": nbytes}
+    row.update(seconds=statistics.median(round_s), repeats=len(round_s))
+    row.update(rate_fields("gbps_dense", [gbps(nbytes, s) for s in round_s]))
+    return {**row, **extra}
+
+
+def _ratio(subject_s: list[float], reference_s: list[float], nbytes: int) -> PairedRatio:
+    return PairedRatio.of(subject_s=subject_s, reference_s=reference_s, nbytes=nbytes)
 
 
 def receiver_extra_s(config: ReferenceModelConfig, repeats: int) -> float:

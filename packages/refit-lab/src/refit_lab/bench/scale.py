@@ -71,7 +71,7 @@ from refit_lab.bench.scale_models import (
 )
 from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
-__all__ = ["FULL", "QUICK", "ROWS", "Sizes", "measure", "run", "summarize"]
+__all__ = ["FULL", "QUICK", "QUICK_MODELS", "ROWS", "Sizes", "measure", "run", "summarize"]
 
 logger = logging.getLogger(__name__)
 

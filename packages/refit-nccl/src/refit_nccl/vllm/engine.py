@@ -3,7 +3,7 @@
 Registered with ``WeightTransferEngineFactory`` under :data:`~refit_nccl.vllm.BACKEND` by the
 ``vllm.general_plugins`` entry point of refit-nccl, so an engine started with
 ``weight_transfer_config={"backend": "refit_nccl"}`` builds one in each worker (every tensor
-parallel rank). It holds an :class:`~refit_nccl.endpoint.EngineEndpoint` whose engine is the
+parallel rank). It holds an :class:`~refit_nccl.roles.engine.EngineEndpoint` whose engine is the
 worker's model. Each rank joins the refit group as a rank of its own and receives every
 checkpoint tensor whole; vLLM's loader keeps the rank's slice.
 
@@ -36,9 +36,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from refit_core import RefitError
 from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name, in_thread
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint, EngineStatus
-from refit_nccl.geometry import DEFAULT_GEOMETRY, HOST_GEOMETRY
+from refit_nccl.roles.contract import WorkerRefitStatus
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY, HOST_GEOMETRY
+from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
 
@@ -48,8 +49,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class CollectiveInitInfo:
     """``init_weight_transfer_engine`` arguments: the packing geometry this worker declares
-    (bucket size None: :data:`~refit_nccl.geometry.HOST_GEOMETRY`'s on a CPU worker,
-    :data:`~refit_nccl.geometry.DEFAULT_GEOMETRY`'s on a GPU) and whether buckets are staged in
+    (bucket size None: :data:`~refit_nccl.transfer.geometry.HOST_GEOMETRY`'s on a CPU worker,
+    :data:`~refit_nccl.transfer.geometry.DEFAULT_GEOMETRY`'s on a GPU) and whether buckets are staged in
     host memory until the commit."""
 
     buffer_size_bytes: int | None = None
@@ -68,7 +69,7 @@ class CollectiveUpdateInfo:
 
 
 class _WorkerModel:
-    """The worker's model as a :class:`~refit_nccl.endpoint.CollectiveEngine`."""
+    """The worker's model as a :class:`~refit_nccl.roles.engine.CollectiveEngine`."""
 
     def __init__(self, receiver: VllmCollectiveReceiver) -> None:
         self._receiver = receiver
@@ -126,12 +127,14 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         geometry = CollectiveSenderSpec("refit", size, init_info.num_buffers)
         self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
+        held = self.endpoint.refit_status()  # the versions outlive the endpoint
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
         self.endpoint = EngineEndpoint(
             lambda: _WorkerModel(self),
             geometry,
             can_stage=False,
+            versions=(held.committed_version, held.began_version),
             keeps_received=init_info.staged,
         )
         self.loading.abandon()
@@ -239,7 +242,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         else:
             self.loading.abandon()
 
-    def status(self) -> EngineStatus:
+    def status(self) -> WorkerRefitStatus:
         """The endpoint's state, closed only if the model holds weights of no served version
         (a staged transfer never writes it), with this receiver's staging (it stages when
         staged)."""

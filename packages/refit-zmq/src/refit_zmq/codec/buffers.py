@@ -8,9 +8,10 @@ block's single Huffman table straddled both planes, while a frame per plane stor
 and the raw 8 bits. The uint16 gaps go from 8.8 to 8.6 bits (entropy 8.05).
 
 Whether zstd pays is decided per plane by measurement: a plane is stored compressed only
-when that saves at least ``1 - KEEP_RATIO`` of its bytes; large planes are first judged on a
-leading sample, so incompressible planes (random mantissas, most of a dense resync) cost
-little time. A buffer none of whose planes compresses is sent as it is, without copying.
+when that saves at least ``1 - KEEP_RATIO`` of its bytes; planes of four samples or more are
+first judged on a leading sample, so incompressible planes (random mantissas, the low bytes
+of gaps, most of a dense resync) cost little time. Planes are split off with one compiled
+pass (numba, no GIL) per buffer. A buffer none of whose planes compresses is sent as it is, without copying.
 A compressed plane is exactly one zstd frame that declares its content size; a reader refuses
 anything else (another size, a second frame, trailing bytes). CODEC.md specifies the bytes.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 import zstandard
 
@@ -32,8 +34,9 @@ MIN_COMPRESS_BYTES = 512
 """Planes smaller than this are never compressed (the zstd frame overhead eats the gain)."""
 KEEP_RATIO = 0.95
 """Compressed bytes must be at most this fraction of the raw bytes to be kept."""
-SAMPLE_BYTES = 256 * 1024
-"""Planes over four samples are first judged on their leading sample."""
+SAMPLE_BYTES = 16 * 1024
+"""Planes of four samples or more are first judged on their leading sample (a zstd attempt
+on a 340 KB plane of gap low bytes, refused at 0.96, cost 0.28 ms; its sample costs little)."""
 
 _local = threading.local()
 
@@ -58,12 +61,30 @@ def _compressed(plane: np.ndarray) -> bytes | None:
     if plane.nbytes < MIN_COMPRESS_BYTES:
         return None
     compressor = _compressor()
-    if plane.nbytes > 4 * SAMPLE_BYTES:
+    if plane.nbytes >= 4 * SAMPLE_BYTES:
         sample = compressor.compress(plane[:SAMPLE_BYTES].data)
         if len(sample) > KEEP_RATIO * SAMPLE_BYTES:
             return None
     packed: bytes = compressor.compress(plane.data)
     return packed if len(packed) <= KEEP_RATIO * plane.nbytes else None
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _split_planes(elements: np.ndarray, planes: np.ndarray) -> None:  # pragma: no cover
+    """``planes[lane, i] = elements[i, lane]``: byte ``lane`` of every element, plane by plane
+    (a third faster than numpy's strided copies, and without the GIL)."""
+    count, width = elements.shape
+    for lane in range(width):
+        for i in range(count):
+            planes[lane, i] = elements[i, lane]
+
+
+def byte_planes(raw: np.ndarray, width: int) -> np.ndarray:
+    """The byte planes of ``raw`` (uint8, elements of ``width`` bytes) as rows of a
+    ``(width, elements)`` array."""
+    planes = np.empty((width, raw.size // width), dtype=np.uint8)
+    _split_planes(raw.reshape(-1, width), planes)
+    return planes
 
 
 def pack_buffer(array: np.ndarray, *, compress: bool) -> tuple[BufferInfo, BytesLike]:
@@ -73,13 +94,12 @@ def pack_buffer(array: np.ndarray, *, compress: bool) -> tuple[BufferInfo, Bytes
     if not compress:
         return as_is, raw.data
     width = array.itemsize
-    planes = raw.reshape(-1, width).T if width > 1 else raw.reshape(1, -1)
+    planes = byte_planes(raw, width) if width > 1 else raw.reshape(1, -1)
     stored: list[tuple[PlaneInfo, BytesLike]] = []
     for plane in planes:
-        contiguous = np.ascontiguousarray(plane)
-        packed = _compressed(contiguous)
+        packed = _compressed(plane)
         if packed is None:
-            stored.append((PlaneInfo(contiguous.nbytes, BufferCodec.RAW), contiguous.data))
+            stored.append((PlaneInfo(plane.nbytes, BufferCodec.RAW), plane.data))
         else:
             stored.append((PlaneInfo(len(packed), BufferCodec.ZSTD), packed))
     if all(info.codec is BufferCodec.RAW for info, _ in stored):

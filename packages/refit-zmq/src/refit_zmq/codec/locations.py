@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from refit_core import ProtocolError
@@ -46,6 +47,23 @@ class LocationPlan:
 
 def _gap_width(largest_gap: int) -> int:
     return next(w for w in _GAP_WIDTHS if largest_gap < 1 << (8 * w))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _largest_gap(indices: np.ndarray) -> int:  # pragma: no cover - compiled
+    """The largest difference of neighbouring sorted indices (0 for fewer than two)."""
+    largest = 0
+    for i in range(1, indices.size):
+        largest = max(largest, indices[i] - indices[i - 1])
+    return largest
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _fill_gaps(indices: np.ndarray, gaps: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``gaps[i] = indices[i + 1] - indices[i]``, narrowed to ``gaps``' width (which holds
+    them: the caller sized it from :func:`_largest_gap`)."""
+    for i in range(gaps.size):
+        gaps[i] = indices[i + 1] - indices[i]
 
 
 def _bitmap(indices: np.ndarray, span_len: int) -> np.ndarray:
@@ -72,18 +90,18 @@ def encode_locations(
     if best.count == span_len:
         best = LocationPlan(Encoding.DENSE, 0, span_len)
     bitmap_cost = (span_len + 7) // 8 + k * itemsize
-    gaps = None
     least_gaps_cost = (k - 1) + k * itemsize  # 1-byte gaps; GAPS wins a tie with BITMAP
     if least_gaps_cost < best_cost and least_gaps_cost <= bitmap_cost:
-        gaps = np.diff(indices)
-        gap_width = _gap_width(int(gaps.max())) if k > 1 else 1
+        gap_width = _gap_width(int(_largest_gap(indices)))
         gaps_cost = (k - 1) * gap_width + k * itemsize
         if gaps_cost < best_cost:
             best, best_cost = LocationPlan(Encoding.GAPS, first, k, gap_width), gaps_cost
     if bitmap_cost < best_cost:
         return LocationPlan(Encoding.BITMAP, 0, k), _bitmap(indices, span_len)
-    if best.encoding is Encoding.GAPS and gaps is not None:
-        return best, gaps.astype(unsigned_numpy_dtype(best.gap_width))
+    if best.encoding is Encoding.GAPS:
+        gaps = np.empty(k - 1, dtype=unsigned_numpy_dtype(best.gap_width))
+        _fill_gaps(indices, gaps)
+        return best, gaps
     return best, None
 
 

@@ -20,6 +20,7 @@ import torch
 
 from refit_core import (
     EngineReport,
+    FleetStatus,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -34,7 +35,7 @@ from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
 from refit_zmq.ipc.sizing import ALIGN_BYTES, default_buffer_bytes
 
-__all__ = ["IpcOptions", "IpcWeightSynchronizer", "RefitSessions"]
+__all__ = ["FleetReporter", "IpcOptions", "IpcWeightSynchronizer", "RefitSessions"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ class RefitSessions(Protocol):
         """Close every session; after a commit the engines serve ``version``. After a failure
         it may raise a :class:`~refit_core.errors.RefitError` whose ``engines`` say what each
         engine serves now (added to the refit's own error)."""
+        ...
+
+
+@runtime_checkable
+class FleetReporter(Protocol):
+    """Workers whose controller-side object can say what each serves (vLLM's engines: their
+    receivers' versions), so that a new synchronizer adopts them."""
+
+    def fleet_status(self) -> FleetStatus:
+        """Every worker, in the synchronizer's shard order."""
         ...
 
 
@@ -177,11 +188,9 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         manifest = dict(source.state_dict_info())
         started = time.monotonic()
         try:
-            links.request(self._begin(version, manifest, pool), deadline)
-            began = time.monotonic()
-            wire = self._stream(
-                links, Packer(manifest, pool).buckets(source.iter_tensors()), version, deadline
-            )
+            links.send(self._begin(version, manifest, pool), deadline)
+            buckets = Packer(manifest, pool).buckets(source.iter_tensors())
+            wire, began = self._stream(links, buckets, version, deadline)
             streamed = time.monotonic()
             links.request({"op": Op.COMMIT, "version": version, "count": len(manifest)}, deadline)
         except RefitTimeoutError:
@@ -223,27 +232,29 @@ class IpcWeightSynchronizer(WeightSynchronizer):
 
     def _stream(
         self, links: WorkerLinks, buckets: Iterator[Bucket], version: int, deadline: Deadline
-    ) -> int:
-        """Send every bucket, one in flight while the next fills; the bytes sent."""
+    ) -> tuple[int, float]:
+        """With ``begin`` sent, send every bucket, one in flight while the next fills (the
+        first fills while ``begin`` is answered); the bytes sent and when ``begin`` was."""
         pool = self._pool
         assert pool is not None
         sent = 0
+        began: float | None = None
         pending: Bucket | None = None
         try:
             for bucket in buckets:
                 if pool.device.type == "cuda":
                     torch.cuda.current_stream(pool.device).synchronize()
+                links.gather(deadline)
                 if pending is not None:
-                    links.gather(deadline)
                     self._release(pending)
+                began = time.monotonic() if began is None else began
                 links.send(bucket.message(version), deadline)
                 pending, sent = bucket, sent + bucket.nbytes
-            if pending is not None:
-                links.gather(deadline)
+            links.gather(deadline)
         finally:
             if pending is not None:
                 self._release(pending)
-        return sent
+        return sent, time.monotonic() if began is None else began
 
     def _release(self, bucket: Bucket) -> None:
         assert self._pool is not None
@@ -258,6 +269,12 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         except RefitTimeoutError:
             self._stale = True
             raise
+
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """What the workers serve, where their sessions object can say (``FleetReporter``)."""
+        if not isinstance(self._sessions, FleetReporter):
+            raise NotImplementedError(f"{type(self).__name__} cannot ask these workers")
+        return self._sessions.fleet_status()
 
     def _is_stale(self) -> bool:
         return self._stale

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from refit_core import EngineReport, RefitError
+from refit_core import EngineHealth, EngineReport, EngineStatus, FleetStatus, RefitError
 from refit_core.backend import with_engines
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
@@ -115,6 +115,31 @@ class VllmIpcGeneration:
         engine.rpc("update_weights", {"apply": True})
         engine.rpc("finish_weight_update")
         engine.gate.open(version)
+
+    def fleet_status(self) -> FleetStatus:
+        """Every worker as the synchronizer's shards list them (engine 0's ranks first): the
+        version its receiver committed last, the highest one a refit began on it, closed
+        while its model holds a refit that did not commit (a new controller adopts these)."""
+        statuses: list[tuple[str, EngineHealth, int | None, int | None, str | None]] = []
+        for engine in self._engines:
+            try:
+                versions = engine.rpc("versions")
+                partial = any(engine.rpc("partial"))
+            except RefitError as exc:
+                detail = f"{type(exc).__name__}: {exc}"[:200]
+                statuses += [
+                    (a, EngineHealth.UNREACHABLE, None, None, detail) for a in engine.addresses
+                ]
+                continue
+            for address, (version, began) in zip(engine.addresses, versions, strict=True):
+                if partial:
+                    statuses.append((address, EngineHealth.CLOSED, None, began, "partial model"))
+                else:
+                    statuses.append((address, EngineHealth.SERVING, version, began, None))
+        return FleetStatus.of(
+            EngineStatus(shard, address, health, version, detail=detail, began_version=began)
+            for shard, (address, health, version, began, detail) in enumerate(statuses)
+        )
 
     def close(self) -> None:
         """Stop the session threads (the engines belong to whoever started them)."""
