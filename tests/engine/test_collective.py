@@ -113,6 +113,20 @@ def test_every_worker_receives_and_refits_equal_vllms_own_load(
     )
 
 
+def test_a_cpu_worker_declares_host_buckets_unless_told_otherwise(engine: Engine) -> None:
+    from refit_nccl import CollectiveEngineRole
+    from refit_nccl.backend import HOST_GEOMETRY
+    from refit_nccl.vllm import VllmCollectiveGeneration
+
+    (workers,) = VllmCollectiveGeneration([engine.llm]).collective_shards().values()
+    declared = [w.call(CollectiveEngineRole.refit_geometry).result(60) for w in workers]
+    assert declared == [HOST_GEOMETRY] * engine.tp
+    (workers,) = _generation(engine).collective_shards().values()
+    assert workers[0].call(CollectiveEngineRole.refit_geometry).result(60).buffer_size_bytes == (
+        BUCKET_BYTES
+    )
+
+
 def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:

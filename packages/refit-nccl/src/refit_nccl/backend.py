@@ -19,6 +19,7 @@ from refit_nccl.roles.contract import JoinRequest, ShardMap, StateItems
 from refit_nccl.transfer.broadcast import Consumer, receive_packed, send_packed
 from refit_nccl.transfer.geometry import (
     DEFAULT_GEOMETRY,
+    HOST_GEOMETRY,
     installed_vllm_geometry,
     require_vllm_defaults,
 )
@@ -30,6 +31,7 @@ from refit_nccl.vllm_native.trainer import VllmPeerTrainer
 
 __all__ = [
     "DEFAULT_GEOMETRY",
+    "HOST_GEOMETRY",
     "AbortableProcessGroup",
     "Backend",
     "ChildProcessGroup",

@@ -26,6 +26,8 @@ Only a vLLM worker imports this module (it imports torch and vLLM).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -41,7 +43,13 @@ from refit_core.backend import checkpoint_specs, dtype_name
 from refit_core.vllm.runtime_check import RuntimeCheck
 from refit_core.vllm.write_map import WriteMap, capture_write_map
 
-__all__ = ["CheckpointLoading", "LoadingReceiver", "ModelHolder", "runtime_check"]
+__all__ = [
+    "CheckpointLoading",
+    "LoadingReceiver",
+    "ModelHolder",
+    "release_freed_host_memory",
+    "runtime_check",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +79,21 @@ def runtime_check(holder: ModelHolder, found: WriteMap | None = None) -> Runtime
         }
         found = capture_write_map(holder.model, specs)
     return RuntimeCheck(holder.model, found)
+
+
+def release_freed_host_memory() -> None:
+    """Give the host memory a load freed back to the system (glibc's ``malloc_trim``; nothing
+    under another allocator). vLLM's layerwise reload allocates every layer anew and builds
+    new CPU kernels, a few MB each: glibc keeps such freed blocks in the heap, so without this
+    a 1 GB model's worker kept about 0.3 GB more after every refit."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
 
 
 class CheckpointLoading:
@@ -178,6 +201,8 @@ class CheckpointLoading:
         if loaded:
             self._runtime_check().finish()
         self.last_check_s = time.perf_counter() - checked
+        if loaded:
+            release_freed_host_memory()
         self.last_load_s = time.perf_counter() - started
 
     def committed(self) -> None:

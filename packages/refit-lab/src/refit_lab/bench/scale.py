@@ -24,7 +24,9 @@ Memory, per refit, over the model's bytes: the engine worker's resident memory a
 (``engine_kept_extra_bytes``) and its peak during it (``engine_peak_extra_bytes``), both above
 the worker's memory before the row's receiver started; the bench process's peak during the
 refit above its memory before the synchronizer was built (``trainer_peak_extra_bytes``: the
-trainer holds its states, so only what refit adds counts). On the vLLM rows every relay runs in
+trainer holds its states, so only what refit adds counts). Each process gives its heap's freed
+memory back to the system before its base and before each refit (glibc's ``malloc_trim``), so
+a peak counts what the refit allocates, not what an earlier step left in the heap. On the vLLM rows every relay runs in
 an engine worker, so the relay's memory is the worker's.
 
 Summary (the large model, the last measured, unless named), checked against the rows by the
@@ -69,7 +71,7 @@ from refit_lab.bench.scale_models import (
 )
 from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
-__all__ = ["FULL", "QUICK", "ROWS", "Sizes", "measure", "run", "summarize"]
+__all__ = ["FULL", "QUICK", "QUICK_MODELS", "ROWS", "Sizes", "measure", "run", "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,11 @@ def _memory() -> dict[str, int]:
 
 
 def _reset_peak() -> None:
+    """Freed memory back to the system (so the peak counts what is allocated from now on,
+    not what the heap kept), then the peak restarts from the resident memory."""
+    from refit_core.vllm.loading import release_freed_host_memory
+
+    release_freed_host_memory()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
 
@@ -242,7 +249,8 @@ class _RowRun:
         self.rows: list[dict[str, object]] = []
         outputs = _generate(llm, model.shape)
         self.exact = model.expected.setdefault("A", outputs) == outputs
-        self._worker_base = int(_rpc(llm, "refit_bench_memory", False)["VmRSS"])
+        self._worker_base = int(_rpc(llm, "refit_bench_memory", True)["VmRSS"])
+        _reset_peak()
         self._trainer_base = _memory()["VmRSS"]
 
     def refit(self, synchronizer: Any, target: str, kind: str, round_: int) -> None:

@@ -109,8 +109,12 @@ class _BenchMethods:
 
     def refit_bench_memory(self, reset_peak: bool) -> dict[str, int]:
         """This worker's resident memory now and its peak (``VmRSS``, ``VmHWM``); with
-        ``reset_peak`` the peak restarts from now (``/proc/self/clear_refs``)."""
+        ``reset_peak`` its heap's freed memory goes back to the system first and the peak
+        restarts from now (``/proc/self/clear_refs``)."""
         if reset_peak:
+            from refit_core.vllm.loading import release_freed_host_memory
+
+            release_freed_host_memory()
             with open("/proc/self/clear_refs", "w") as clear:
                 clear.write("5")
         return _memory()

@@ -38,7 +38,7 @@ from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_nam
 from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
 from refit_nccl.roles.contract import WorkerRefitStatus
 from refit_nccl.roles.engine import EngineEndpoint
-from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY
+from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY, HOST_GEOMETRY
 from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
@@ -48,10 +48,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CollectiveInitInfo:
-    """``init_weight_transfer_engine`` arguments: the packing geometry this worker declares and
-    whether buckets are staged in host memory until the commit."""
+    """``init_weight_transfer_engine`` arguments: the packing geometry this worker declares
+    (bucket size None: :data:`~refit_nccl.transfer.geometry.HOST_GEOMETRY`'s on a CPU worker,
+    :data:`~refit_nccl.transfer.geometry.DEFAULT_GEOMETRY`'s on a GPU) and whether buckets are staged in
+    host memory until the commit."""
 
-    buffer_size_bytes: int = DEFAULT_GEOMETRY.buffer_size_bytes
+    buffer_size_bytes: int | None = None
     num_buffers: int = DEFAULT_GEOMETRY.num_buffers
     staged: bool = True
 
@@ -120,7 +122,9 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         Raises:
             RefitError: refit cannot keep this model exact (the parameter named).
         """
-        geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
+        default = HOST_GEOMETRY if self.device.type == "cpu" else DEFAULT_GEOMETRY
+        size = init_info.buffer_size_bytes or default.buffer_size_bytes
+        geometry = CollectiveSenderSpec("refit", size, init_info.num_buffers)
         self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
         held = self.endpoint.refit_status()  # the versions outlive the endpoint

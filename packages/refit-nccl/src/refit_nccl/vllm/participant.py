@@ -268,7 +268,8 @@ class VllmCollectiveGeneration:
             engine whose transfer fails after its first bucket stays closed until a complete
             refit).
         buffer_size_bytes: bucket size every worker declares, at least 1 MiB
-            (``refit_core.backend.MIN_BUFFER_BYTES``; None: refit-nccl's default, 1 GiB).
+            (``refit_core.backend.MIN_BUFFER_BYTES``; None: refit-nccl's default, 1 GiB on a
+            GPU worker, 64 MiB on a CPU one).
         control_timeout_s: bound of calls that carry no deadline of their own.
         grace_s: added to a call's own deadline before vLLM gives up waiting for the workers.
     """

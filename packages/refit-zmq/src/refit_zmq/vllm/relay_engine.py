@@ -147,6 +147,8 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
             raise
         undo.discard()
         self._unloaded |= {w.name for w in writes if w.name in self.targets.shadow}
+        count = len(writes)
+        del writes, undo  # freed before the reload, whose end returns freed memory
         items = self.targets.reload_items(self._unloaded)
         if items:
             self.loading.begin()
@@ -161,7 +163,7 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
         self.served_version = committed
         self.last_apply_s = time.perf_counter() - started
         logger.info(
-            "version %d served: %d writes, %d tensors reloaded", committed, len(writes), len(items)
+            "version %d served: %d writes, %d tensors reloaded", committed, count, len(items)
         )
 
     def finish_weight_update(self) -> None:
