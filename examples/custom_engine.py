@@ -12,6 +12,8 @@ Run it: ``uv run python examples/custom_engine.py`` (about a minute on two CPU c
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,8 +62,9 @@ class EngineClosedError(RuntimeError):
 # --8<-- [start:engine]
 class TinyEngine:
     """The user's engine: ``CollectiveEngine`` (load, reset cache, commit a version, say
-    what it accepts) plus the ``RefitHooks`` (closed from begin until commit, or until an
-    abort that left the weights as they were).
+    what it accepts), ``RelayEngine`` (its version and live tensors, for the sparse row:
+    ``examples/sparse_custom_engine.py``) plus the ``RefitHooks`` (closed from begin until
+    commit, or until an abort that left the weights as they were).
 
     ``events`` records every hook and every answered request, so a test can check that no
     request was answered while the engine was closed.
@@ -72,7 +75,10 @@ class TinyEngine:
         self.version = 0
         self.closed = False
         self.events: list[tuple[str, int]] = []
-        self.hang_in_load = False  # fault injection for the demo: the next load never returns
+        # Fault injection for the demos and their tests: the next time its weights start to
+        # change (on_refit_begin, or a load into an engine a failed refit left closed) the
+        # engine hangs for good ("hang") or freezes its whole process ("freeze").
+        self.fault: str | None = None
         self.hanging = False
         self._step = threading.Lock()  # held while a request runs: the step boundary
         self._prefix_cache: dict[bytes, torch.Tensor] = {}
@@ -86,9 +92,7 @@ class TinyEngine:
         }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.hang_in_load:
-            self.hanging = True
-            threading.Event().wait()  # a worker stuck for good: the framework kills it
+        self._inject_fault()
         params = self.model.state_dict()
         for name, tensor in weights:  # only valid during this call: copy, do not keep
             params[name].copy_(tensor)
@@ -99,12 +103,30 @@ class TinyEngine:
     def set_weight_version(self, version: int) -> None:
         self.version = version
 
+    # -- refit_zmq.sparse.RelayEngine (the rest is above) -----------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())  # views of the live weights, written in place
+
     # -- refit_core.RefitHooks ---------------------------------------------------------
 
     def on_refit_begin(self, version: int) -> None:
         with self._step:  # waits for the request in flight, then holds every new one off
             self.closed = True
             self.events.append(("begin", version))
+        self._inject_fault()
+
+    def _inject_fault(self) -> None:
+        fault, self.fault = self.fault, None
+        if fault == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until SIGCONT
+        elif fault == "hang":
+            self.hanging = True
+            threading.Event().wait()  # stuck for good: the framework kills the worker
 
     def on_refit_abort(self, version: int, *, weights_changed: bool) -> None:
         with self._step:
@@ -158,11 +180,22 @@ class EngineWorker(EngineEndpoint):
     def events(self) -> list[tuple[str, int]]:
         return list(self.tiny_engine.events)
 
-    def hang_in_next_load(self) -> None:
-        self.tiny_engine.hang_in_load = True
+    def fault_in_next_write(self, fault: str) -> None:
+        """Make the engine hang (``"hang"``) or freeze (``"freeze"``) the next time its
+        weights start to change."""
+        self.tiny_engine.fault = fault
 
     def is_hanging(self) -> bool:
         return self.tiny_engine.hanging
+
+    def version(self) -> int:
+        return self.tiny_engine.version
+
+    def is_closed(self) -> bool:
+        return self.tiny_engine.closed
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 # --8<-- [end:worker]
@@ -275,16 +308,17 @@ class Outcome:
     events: dict[int, list[tuple[str, int]]]
 
 
-def read_back(version: int, trainer: Trainer, fleet: EngineFleet, live: list[int]) -> Refit:
-    """The trainer's weights and those of every live engine, at ``version``."""
-    weights = ray.get([fleet.workers[s].weights.remote() for s in live], timeout=60)
+def read_back(version: int, trainer: Trainer, workers: Mapping[int, Any], live: list[int]) -> Refit:
+    """The trainer's weights and those of every live engine (``workers``: shard -> actor), at
+    ``version``."""
+    weights = ray.get([workers[s].weights.remote() for s in live], timeout=60)
     return Refit(version, trainer.weights(), dict(zip(live, weights, strict=True)))
 
 
 def refit(sync: WeightSynchronizer, trainer: Trainer, fleet: EngineFleet, live: list[int]) -> Refit:
     """One training step, one refit, and every live engine's weights read back."""
     trainer.step()
-    return read_back(sync.sync_weights().version, trainer, fleet, live)
+    return read_back(sync.sync_weights().version, trainer, fleet.workers, live)
 
 
 def wait_for(what: str, condition: Any, within_s: float = 120.0) -> None:
@@ -307,9 +341,10 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
         traffic.start()
         refits = [refit(sync, trainer, fleet, everyone) for _ in range(steps)]
 
-        # The victim hangs in its first load; the others load what they received, so they
-        # are closed (their weights are partial); then the framework kills the victim.
-        ray.get(fleet.workers[victim].hang_in_next_load.remote(), timeout=60)
+        # The victim hangs as its weights start to change; the others load what they
+        # received, so they are closed (their weights are partial); then the framework
+        # kills the victim.
+        ray.get(fleet.workers[victim].fault_in_next_write.remote("hang"), timeout=60)
         failure: dict[str, Any] = {}
 
         def failing_refit() -> None:
@@ -343,7 +378,7 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
         # The recovery loop of a framework.
         status = sync.status()
         recovery = sync.recover()  # drops the dead shard, resyncs the closed survivors
-        refits.append(read_back(sync.version, trainer, fleet, survivors))
+        refits.append(read_back(sync.version, trainer, fleet.workers, survivors))
         refits.append(refit(sync, trainer, fleet, survivors))
         traffic.stop()
         events = dict(
@@ -370,23 +405,33 @@ def run(shards: int = 3, steps: int = 3, victim: int = 1) -> Outcome:
         fleet.close()
 
 
-def main() -> None:
-    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
-    logging.basicConfig(level=logging.ERROR)
-    with local_ray(num_cpus=4, log_to_driver=False):
-        outcome = run()
-    for done in outcome.refits:
+def print_refits(refits: Sequence[Refit]) -> None:
+    """One line per refit: its version, the shards that hold it, whether each is bit-exact."""
+    for done in refits:
         exact = all(
             all(torch.equal(w[n], t) for n, t in done.trainer.items())
             for w in done.engines.values()
         )
         print(f"version {done.version} on shards {sorted(done.engines)}: bit-exact {exact}")
+
+
+def print_error(error: RefitError) -> None:
+    """A refit's error as a framework reads it: its type and message, its hint, its shards."""
+    print(f"  {type(error).__name__}: {str(error)[:160]}")
+    print(f"  recovery={error.recovery.value} failed_shards={error.failed_shards}")
+
+
+def main() -> None:
+    # refit logs each failure as one WARNING line; the demo prints the error's facts instead.
+    logging.basicConfig(level=logging.ERROR)
+    with local_ray(num_cpus=4, log_to_driver=False):
+        outcome = run()
+    print_refits(outcome.refits)
     error = outcome.error
     print(
         f"killed shard {outcome.killed_shard}; the refit failed {outcome.released_after_s:.2f} s later:"
     )
-    print(f"  {type(error).__name__}: {str(error)[:160]}")
-    print(f"  recovery={error.recovery.value} failed_shards={error.failed_shards}")
+    print_error(error)
     for engine in error.engines:
         print(f"  shard {engine.shard} ({engine.worker}): {engine.state.value}")
     print(f"  a survivor refused a request while closed: {outcome.refused_while_closed}")

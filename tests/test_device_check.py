@@ -3,6 +3,7 @@ verdicts and the summary the GPU run writes, from synthetic phase results."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from refit_core.cli import build_parser
+from refit_lab.bench.codec_gpu import measure_gpu
+from refit_lab.bench.harness import BenchContext
+from refit_lab.device_check.phases.codec import bench_command, read_bench
 from refit_lab.device_check.phases.gpu_tests import gpu_test_files, parse_junit
 from refit_lab.device_check.plan import (
     PHASES,
@@ -201,3 +206,22 @@ def test_every_phase_has_a_module_with_run(phase: str) -> None:
     from refit_lab.device_check.phases import PHASE_MODULES
 
     assert callable(importlib.import_module(PHASE_MODULES[phase]).run)
+
+
+def test_the_codec_phase_command_is_one_refit_accepts() -> None:
+    """The phase's ``refit bench codec`` arguments parse with refit's own command line."""
+    command = bench_command(Path("codec.json"))
+    args = build_parser().parse_args(command[command.index("bench") :])
+    assert (args.name, args.device, args.size_bytes) == ("codec", "cuda", 8 << 30)
+
+
+def test_the_codec_phase_reads_what_the_gpu_bench_writes() -> None:
+    """The GPU bench's report (its logic run on CPU tensors) gives every field the phase uses."""
+    ctx = BenchContext(quick=True, threads=2, size_bytes=1 << 20)
+    report = json.loads(json.dumps(measure_gpu(ctx, repeats=1, device="cpu").to_json()))
+    measured = read_bench(report)
+    summary = report["summary"]
+    assert measured["encode_vs_device_copy"] == summary["gpu_encode_fraction_of_d2d_copy"]
+    assert measured["apply_gbps"] == summary["gpu_apply_gbps"] > 0
+    assert measured["dense_bytes"] == summary["state_bytes"] >= 1 << 20
+    assert measured["bitexact"] is True

@@ -20,6 +20,10 @@ TOY = "packages/refit-core/tests/toy_backend"
 THIRD_PARTY = ("packages/refit-core/tests/test_third_party_backend.py", '"toy_backend"')
 RUN_BY = {
     "examples/custom_engine.py": ("tests/test_custom_engine_example.py", "import custom_engine"),
+    "examples/driver_loop.py": (
+        "tests/driver_loop_harness/driver_loop_scenario.py",
+        "driver_loop.RefitLoop(",
+    ),
     f"{TOY}/pyproject.toml": THIRD_PARTY,
     **{
         f"{TOY}/src/refit_toy/{m}.py": THIRD_PARTY

@@ -151,7 +151,7 @@ def test_the_check_sees_an_internal_import(tmp_path: Path) -> None:
     module.write_text(
         "from refit_core import create_weight_synchronizer\n"
         "from refit_core.registry import find_row\n"
-        "import refit_nccl.group\n"
+        "import refit_nccl.group.abortable\n"
         "importlib.import_module('refit_zmq.relay.ledger')\n"
     )
     found = [v for i in imports(module) if (v := violation(i, None)) is not None]

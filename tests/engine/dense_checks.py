@@ -2,7 +2,7 @@
 
 ``refit(state, staged)`` runs a complete refit to ``state`` from a trainer in the test's
 process and returns its version; the failure checks take the error of a refit to A whose
-trainer failed half-way.
+trainer failed part-way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def refits_away_and_back(engine: Engine, refit: Refit) -> None:
     llm = engine.llm
     generate(llm, expect_cached=True)  # B' prefixes are cached now
     refit("A", True)
-    assert generate(llm, expect_cached=False) == engine.expected["A"], "the commit reset the cache"
+    assert generate(llm, expect_cached=False) == engine.expected["A"], "a fresh engine's on A"
     version = refit("B'", False)
     assert generate(llm, expect_cached=False) == engine.expected["B'"]
     assert llm.llm_engine.get_weight_version() == str(version)

@@ -28,6 +28,9 @@ MODEL = {
     "tie_word_embeddings": False,
     "initializer_range": 0.1,
 }
+TIED = {"tie_word_embeddings": True, "num_hidden_layers": 6}
+"""The tied model: deeper than :data:`MODEL`, so that without the output layer's megabyte a
+refit still spans several 1 MiB buckets before a trainer that fails part-way stops."""
 CHANGED_FRACTION = 0.01
 SPARSE_BUCKET_GB = 32 / 1024 / 1024  # 32 KiB of dense input per payload: dozens per refit
 PROMPT_TOKENS = 160  # spans full KV blocks, so the prefix cache holds them
@@ -89,21 +92,26 @@ def perturb(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return changed
 
 
-def make_checkpoints(root: Path) -> Checkpoints:
-    """Write A, B, B' and B'' as Hugging Face checkpoints (config + safetensors, no tokenizer)."""
+def make_checkpoints(root: Path, *, tied: bool = False) -> Checkpoints:
+    """Write A, B, B' and B'' as Hugging Face checkpoints (config + safetensors, no tokenizer);
+    ``tied``: the output layer is the embedding (the checkpoint has no ``lm_head.weight``)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**MODEL)
+    config = Qwen2Config(**{**MODEL, **(TIED if tied else {})})
     checkpoints = Checkpoints()
     for name, seed in (("A", 1), ("B", 2)):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        checkpoints.tensors[name] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        checkpoints.tensors[name] = {
+            n: t.detach().clone()
+            for n, t in model.state_dict().items()
+            if not (tied and n == "lm_head.weight")
+        }
     checkpoints.tensors["B'"] = perturb(checkpoints.tensors["B"], seed=3)
     checkpoints.tensors["B''"] = perturb(checkpoints.tensors["B'"], seed=4)
     for name, tensors in checkpoints.tensors.items():
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        model.load_state_dict(tensors)
+        model.load_state_dict(tensors, strict=not tied)
         path = root / name.replace("'", "p")
         model.save_pretrained(path)
         checkpoints.paths[name] = str(path)
@@ -156,6 +164,23 @@ def reloaded_outputs(llm: Any, path: str) -> Outputs:
     return generate(llm)
 
 
+class FreshOutputs:
+    """What a fresh engine generates on a checkpoint at a tensor-parallel size, each engine
+    started once per session (alone: shut down before the next starts)."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple[str, int], Outputs] = {}
+
+    def __call__(self, path: str, tp: int) -> Outputs:
+        if (path, tp) not in self._outputs:
+            llm = start_engine(path, {}, tp)
+            try:
+                self._outputs[path, tp] = generate(llm)
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+        return self._outputs[path, tp]
+
+
 @dataclass
 class Engine:
     """A session's engine and what vLLM itself generates on each checkpoint.
@@ -163,8 +188,9 @@ class Engine:
     Attributes:
         llm: the engine.
         tp: its tensor-parallel size.
-        expected: state -> outputs: the start state's from the engine fresh, the others after
-            vLLM's own reload from disk (checked to reproduce the fresh outputs exactly).
+        expected: state -> outputs: the start state's from the engine fresh, the others from
+            fresh engines (:class:`FreshOutputs`) or, for an untied model, after vLLM's own
+            reload from disk (checked to reproduce the fresh outputs exactly).
     """
 
     llm: Any
@@ -179,19 +205,35 @@ class Engine:
 
 
 @contextmanager
-def running_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int) -> Iterator[Engine]:
+def running_engine(
+    checkpoints: Checkpoints, extra: dict[str, Any], tp: int, fresh: FreshOutputs | None = None
+) -> Iterator[Engine]:
     """An engine fresh on B' for a test module, shut down after it."""
-    engine = open_engine(checkpoints, extra, tp, "B'")
+    engine = open_engine(checkpoints, extra, tp, "B'", fresh)
     try:
         yield engine
     finally:
         engine.llm.llm_engine.engine_core.shutdown()
 
 
-def open_engine(checkpoints: Checkpoints, extra: dict[str, Any], tp: int, start: str) -> Engine:
-    """An engine fresh on ``start``, with vLLM's own outputs on every other checkpoint."""
+def open_engine(
+    checkpoints: Checkpoints,
+    extra: dict[str, Any],
+    tp: int,
+    start: str,
+    fresh: FreshOutputs | None = None,
+) -> Engine:
+    """An engine fresh on ``start``, with what vLLM generates on every other checkpoint: fresh
+    engines' outputs (``fresh``: needed for a tied model, which vLLM's own reload leaves on
+    its old output layer), else its own reload's."""
+    if fresh is not None:
+        others = {s: fresh(checkpoints.paths[s], tp) for s in ("A", "B''") if s != start}
     llm = start_engine(checkpoints.paths[start], extra, tp)
     expected = {start: generate(llm)}
+    if fresh is not None:
+        expected.update(others)
+        assert len(set(map(str, expected.values()))) == len(expected), "states must differ"
+        return Engine(llm, tp, expected)
     for state in ("A", "B''"):
         if state != start:
             expected[state] = reloaded_outputs(llm, checkpoints.paths[state])

@@ -19,10 +19,13 @@ from engine_helpers import (
     CheckpointPolicy,
     Checkpoints,
     Engine,
+    FreshOutputs,
     factory_synchronizer,
     generate,
     running_engine,
 )
+from stale_kernel import failed_verification, stale_kernel
+from timing_checks import timings_add_up
 
 from refit_core import (
     GeometryMismatchError,
@@ -37,11 +40,19 @@ BUCKET_BYTES = 1 << 20  # the smallest geometry: a refit of the tier's model tak
 DEADLINE_S = 10.0
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tied_checkpoints: Checkpoints) -> Checkpoints:
+    """The module refits a model with tied embeddings."""
+    return tied_checkpoints
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+def engine(
+    request: pytest.FixtureRequest, checkpoints: Checkpoints, fresh_outputs: FreshOutputs
+) -> Iterator[Engine]:
     from refit_nccl.vllm import engine_args
 
-    with running_engine(checkpoints, engine_args(), request.param) as running:
+    with running_engine(checkpoints, engine_args(), request.param, fresh_outputs) as running:
         yield running
 
 
@@ -65,12 +76,14 @@ def _refit(engine: Engine, checkpoints: Checkpoints, state: str, *, staged: bool
 
 
 def _failing(engine: Engine, checkpoints: Checkpoints, fault: str, *, staged: bool) -> RefitError:
-    """A refit to A whose trainer process faults itself half-way through its tensors."""
+    """A refit to A whose trainer process faults itself three quarters of the way through its
+    tensors: by then the first buckets are wholly sent (the trainer packs a third only once the
+    first one's broadcast ended), so a streamed engine has loaded some of the refit."""
     from refit_nccl import CollectiveTrainerRole, CollectiveWeightSynchronizer
 
     names = len(checkpoints.tensors["A"])
     trainer = ChildParticipant(
-        "trainer 0", collective_trainer, [checkpoints.paths["A"]], fault, names // 2
+        "trainer 0", collective_trainer, [checkpoints.paths["A"]], fault, names * 3 // 4
     )
     trainer.call(CollectiveTrainerRole.refit_state).result(
         timeout=120
@@ -104,12 +117,12 @@ def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:
     checkpoints.tensors["wrong"] = {
-        name: tensor[:1] if name == "lm_head.weight" else tensor
+        name: tensor[:1] if name == "model.embed_tokens.weight" else tensor
         for name, tensor in checkpoints.tensors["A"].items()
     }
     with (
         _synchronizer(CheckpointPolicy(checkpoints, "wrong"), _generation(engine)) as sync,
-        pytest.raises(GeometryMismatchError, match=r"lm_head\.weight"),
+        pytest.raises(GeometryMismatchError, match=r"model\.embed_tokens\.weight"),
     ):
         sync.sync_weights(engine.next_version())
     assert generate(engine.llm) == engine.expected["B'"], "the engine still serves what it had"
@@ -137,3 +150,41 @@ def test_streamed_refit_whose_trainer_fails_mid_transfer_closes_the_engine_until
     closed_until_a_refit(
         engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
     )
+
+
+def test_a_new_controller_adopts_the_version_the_engine_serves(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    """A second generation and synchronizer (a restarted controller) over an engine serving
+    version N report N, not 0, and refit N+1 without being told a version."""
+    served = _refit(engine, checkpoints, "A")
+    with _synchronizer(CheckpointPolicy(checkpoints, "B'"), _generation(engine)) as sync:
+        status = sync.status()
+        assert status.serving() == {served: (0,)} and status.high_water_mark == served
+        assert sync.sync_weights().version == served + 1
+    engine.version = max(engine.version, served + 1)
+    assert generate(engine.llm) == engine.expected["B'"]
+
+
+def test_a_load_that_leaves_a_kernel_on_the_old_weights_fails_and_closes_the_engine(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    with stale_kernel(engine.llm), pytest.raises(RefitError) as failed:
+        _refit(engine, checkpoints, "A")
+    assert failed_verification(failed.value), failed.value
+    closed_until_a_refit(
+        engine,
+        failed.value,
+        lambda state, staged: _refit(engine, checkpoints, state, staged=staged),
+    )
+
+
+def test_timings_name_the_whole_call_the_load_included(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    with _synchronizer(CheckpointPolicy(checkpoints, "A"), _generation(engine)) as sync:
+        # the first refit sets the group up (``connect``); the commit loads the model
+        for _ in range(2):
+            timings_add_up(sync, engine.next_version(), ("connect", "transfer", "commit"))
+    assert generate(engine.llm) == engine.expected["A"]
+    _refit(engine, checkpoints, "B'")

@@ -87,6 +87,8 @@ def test_a_trainer_killed_while_staging_leaves_the_served_version_and_never_paus
         refit_timeout_s=KILLED_DEADLINE_S,
     )
     try:
+        synchronizer.init_communicator()  # adopts the version the engine serves
+        assert synchronizer.version == version
         with served_as_without_a_refit(served, synchronizer):
             started = time.monotonic()
             with pytest.raises(RefitError) as killed:
@@ -101,6 +103,7 @@ def test_a_trainer_killed_while_staging_leaves_the_served_version_and_never_paus
 
     policy = CheckpointPolicy(checkpoints, "A")
     with _in_process(served, policy) as retry:
-        staged = retry.stage_weights(version + 1)
+        staged = retry.stage_weights()  # above version + 1: it began staging, never reused
+        assert staged.version == version + 2
         retry.commit_weights(staged)
-    assert served.client.weight_version() == str(version + 1)
+    assert served.client.weight_version() == str(version + 2)

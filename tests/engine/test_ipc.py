@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 from child_trainer import ChildParticipant, IpcTrainer, ipc_trainer
 from dense_checks import closed_until_a_refit, previous_weights_after, refits_away_and_back
-from engine_helpers import CheckpointPolicy, Checkpoints, Engine, generate, running_engine
+from engine_helpers import (
+    CheckpointPolicy,
+    Checkpoints,
+    Engine,
+    FreshOutputs,
+    generate,
+    running_engine,
+)
+from stale_kernel import failed_verification, stale_kernel
+from timing_checks import timings_add_up
 
 from refit_core import (
     GeometryMismatchError,
@@ -33,11 +42,19 @@ FAULTS = [("kill", None), ("freeze", None), (None, 3)]
 """(self-inflicted fault, corrupted bucket): killed, frozen, or the third bucket corrupted."""
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tied_checkpoints: Checkpoints) -> Checkpoints:
+    """The module refits a model with tied embeddings."""
+    return tied_checkpoints
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+def engine(
+    request: pytest.FixtureRequest, checkpoints: Checkpoints, fresh_outputs: FreshOutputs
+) -> Iterator[Engine]:
     from refit_zmq.vllm import engine_args
 
-    with running_engine(checkpoints, engine_args("ipc"), request.param) as running:
+    with running_engine(checkpoints, engine_args("ipc"), request.param, fresh_outputs) as running:
         yield running
 
 
@@ -111,14 +128,14 @@ def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:
     checkpoints.tensors["wrong"] = {
-        name: tensor[:1] if name == "lm_head.weight" else tensor
+        name: tensor[:1] if name == "model.embed_tokens.weight" else tensor
         for name, tensor in checkpoints.tensors["B"].items()
     }
     served = engine.llm.llm_engine.get_weight_version()
     generation = _generation(engine)
     with (
         _synchronizer(CheckpointPolicy(checkpoints, "wrong"), generation) as sync,
-        pytest.raises(GeometryMismatchError, match=r"lm_head\.weight"),
+        pytest.raises(GeometryMismatchError, match=r"model\.embed_tokens\.weight"),
     ):
         sync.sync_weights(engine.next_version())
     generation.close()
@@ -148,3 +165,50 @@ def test_streamed_refit_that_fails_mid_transfer_closes_the_engine_until_a_refit(
     closed_until_a_refit(
         engine, error, lambda state, staged: _refit(engine, checkpoints, state, staged=staged)
     )
+
+
+def test_a_new_controller_adopts_the_version_the_engine_serves(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    """A second generation and synchronizer (a restarted controller) over an engine serving
+    version N start above N by themselves (no StaleBaseError, no version passed by hand)."""
+    served = _refit(engine, checkpoints, "A")
+    generation = _generation(engine)
+    try:
+        with _synchronizer(CheckpointPolicy(checkpoints, "B'"), generation) as sync:
+            status = sync.status()
+            assert set(status.serving()) == {served} and status.high_water_mark == served
+            assert sync.sync_weights().version == served + 1
+    finally:
+        generation.close()
+    engine.version = max(engine.version, served + 1)
+    assert generate(engine.llm) == engine.expected["B'"]
+
+
+def test_a_load_that_leaves_a_kernel_on_the_old_weights_fails_and_closes_the_engine(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    with stale_kernel(engine.llm), pytest.raises(RefitError) as failed:
+        _refit(engine, checkpoints, "A")
+    assert failed_verification(failed.value), failed.value
+    closed_until_a_refit(
+        engine,
+        failed.value,
+        lambda state, staged: _refit(engine, checkpoints, state, staged=staged),
+    )
+
+
+def test_timings_name_the_whole_call_the_load_included(
+    engine: Engine, checkpoints: Checkpoints
+) -> None:
+    generation = _generation(engine)
+    try:
+        with _synchronizer(CheckpointPolicy(checkpoints, "A"), generation) as sync:
+            for _ in range(2):
+                timings_add_up(
+                    sync, engine.next_version(), ("connect", "begin", "stream", "commit", "load")
+                )
+    finally:
+        generation.close()
+    assert generate(engine.llm) == engine.expected["A"]
+    _refit(engine, checkpoints, "B'")

@@ -13,15 +13,19 @@ from typing import Any
 
 import pytest
 from child_trainer import ChildParticipant, sparse_producer
+from dense_checks import closed_until_a_refit
 from engine_helpers import (
     SPARSE_BUCKET_GB,
     CheckpointPolicy,
     Checkpoints,
     Engine,
+    FreshOutputs,
     generate,
     running_engine,
     sparse_synchronizer,
 )
+from stale_kernel import failed_verification, stale_kernel
+from timing_checks import timings_add_up
 
 from refit_core import RefitError, WeightSynchronizer
 from refit_lab.digest import state_digest
@@ -51,11 +55,19 @@ class _CorruptNth(CorruptingRelayProxy):
         return super()._maybe_corrupt(frames)
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tied_checkpoints: Checkpoints) -> Checkpoints:
+    """The module refits a model with tied embeddings."""
+    return tied_checkpoints
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def engine(request: pytest.FixtureRequest, checkpoints: Checkpoints) -> Iterator[Engine]:
+def engine(
+    request: pytest.FixtureRequest, checkpoints: Checkpoints, fresh_outputs: FreshOutputs
+) -> Iterator[Engine]:
     from refit_zmq.vllm import engine_args
 
-    with running_engine(checkpoints, engine_args(), request.param) as running:
+    with running_engine(checkpoints, engine_args(), request.param, fresh_outputs) as running:
         yield running
 
 
@@ -180,3 +192,23 @@ def test_refit_whose_producer_fails_mid_stream_leaves_the_previous_weights(
     _refit(engine, synchronizer, policy, "B''")  # the next refit, from a live trainer
     assert generate(engine.llm) == engine.expected["B''"]
     _refit(engine, synchronizer, policy, "B'")
+
+
+def test_a_load_that_leaves_a_kernel_on_the_old_weights_fails_and_closes_the_engine(
+    engine: Engine, synchronizer: WeightSynchronizer, policy: CheckpointPolicy
+) -> None:
+    with stale_kernel(engine.llm), pytest.raises(RefitError) as failed:
+        _refit(engine, synchronizer, policy, "A")
+    assert failed_verification(failed.value), failed.value
+    closed_until_a_refit(
+        engine, failed.value, lambda state, staged: _refit(engine, synchronizer, policy, state)
+    )
+
+
+def test_timings_name_the_whole_call_the_load_included(
+    engine: Engine, synchronizer: WeightSynchronizer, policy: CheckpointPolicy
+) -> None:
+    for state in ("B''", "B'"):  # deltas: the engine loads the writes at ``pause``
+        policy.state = state
+        timings_add_up(synchronizer, engine.next_version(), ("connect", "transfer", "pause"))
+    assert generate(engine.llm) == engine.expected["B'"]

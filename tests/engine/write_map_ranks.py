@@ -64,10 +64,10 @@ def _send(deltas: Any, payloads: Iterator[Any], transfer_id: str) -> int:
 def _case(paths: Mapping[str, str], tp: int) -> dict[str, Any]:
     from refit_core import TensorSpec, WeightVersion
     from refit_core.backend import checkpoint_specs
+    from refit_core.vllm.write_map import capture_write_map
     from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
     from refit_zmq.vllm.delta_receiver import StagedDeltas
     from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
-    from refit_zmq.vllm.write_map import capture_write_map
 
     config, loader, model = _build(paths["A"], tp)
     fresh = {state: _bits(_build(paths[state], tp)[2]) for state in ("A1", "A2")}

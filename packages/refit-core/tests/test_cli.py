@@ -37,6 +37,8 @@ def test_backends_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert record["install_hint"] == (None if installed else row.install_hint)
         staging = {"vllm.non-colocated.collective", "vllm.non-colocated.zmq_sparse"}
         assert record["can_stage"] is ((row.key in staging) if installed else None), row.key
+        kinds = ["lora"] if row.transport == "lora" else ["dense"]
+        assert record["model_kinds"] == (kinds if installed else None), row.key
     collective = records["vllm.non-colocated.collective"]
     if collective["status"] == "installed":
         assert "closed until a complete refit" in collective["on_failure"]

@@ -231,13 +231,13 @@ def test_a_known_row_that_no_installed_package_registers(
         find_row(known.backend, colocated=True, transport=known.transport)
 
 
-def test_backends_shows_default_stage_clusters_and_options(
+def test_backends_shows_default_stage_clusters_options_and_models(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["backends"]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     header = lines[0]
-    assert header[:7] == [
+    assert header[:8] == [
         "backend",
         "topology",
         "transport",
@@ -245,6 +245,7 @@ def test_backends_shows_default_stage_clusters_and_options(
         "stage",
         "clusters",
         "options",
+        "models",
     ]
     wire = next(line for line in lines if line[:3] == ["toy", "non-colocated", "wire"])
     assert wire[3:] == [
@@ -252,6 +253,7 @@ def test_backends_shows_default_stage_clusters_and_options(
         "no",
         "train_cluster",
         "ToyOptions",
+        "dense",
         "refit-toy",
         "0.3.0",
         "installed",
@@ -266,6 +268,9 @@ def test_backends_shows_default_stage_clusters_and_options(
         ({"builder": "no_colon"}, "row builder must be 'module:attribute'"),
         ({"options": "mod:"}, "row options must be 'module:attribute'"),
         ({"train_cluster": ["get_master_address_and_port"]}, "tuple of method names"),
+        ({"model_kinds": ()}, "row model_kinds must be a non-empty tuple"),
+        ({"model_kinds": ["lora"]}, "row model_kinds must be a non-empty tuple"),
+        ({"model_kinds": ("LoRA",)}, "row model_kinds must be a non-empty tuple"),
     ],
 )
 def test_a_row_declaration_is_checked(fields: dict[str, object], error: str) -> None:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from refit_core import (
+    DeadlineTooShortError,
     Recovery,
     RefitError,
     RefitResult,
@@ -280,7 +281,7 @@ def test_an_aborted_staging_changes_nothing_and_frees_the_next_refit() -> None:
     staged = sync.stage_weights(version=5)
     sync.abort_weights(staged)
     assert sync.version == 0 and sync.status().agreed_version == 0 and sync.staged is None
-    assert sync.stage_weights().version == 1
+    assert sync.stage_weights().version == 6, "version 5 was used: never again"
     sync.fail_with = RefitError("relay refused")
     sync.abort_weights(sync.staged)  # type: ignore[arg-type]
     with pytest.raises(RefitError, match="relay refused"):
@@ -295,9 +296,97 @@ def test_recover_drops_a_pending_staging_first() -> None:
     report = sync.recover()
     assert sync.calls == ["init", "sync:1", "stage:2", "abort:2", "reconcile:[]", "close_open"]
     assert sync.staged is None and sync.beside == {} and report.resync is None
-    assert sync.stage_weights().version == 2, "the next staging starts afresh"
+    assert sync.stage_weights().version == 3, "the next staging starts afresh, above 2"
 
 
 def test_a_row_that_cannot_stage_says_so() -> None:
     with pytest.raises(NotImplementedError, match="RecordingSynchronizer cannot stage"):
         RecordingSynchronizer().stage_weights()
+
+
+def test_a_failed_refits_version_is_never_tried_again() -> None:
+    sync = RecordingSynchronizer()
+    sync.fail_with = RefitTimeoutError("frozen engine")
+    with pytest.raises(RefitTimeoutError):
+        sync.sync_weights()
+    assert sync.version == 0 and sync.high_water_mark == 1
+    sync.fail_with = None
+    with pytest.raises(ValueError, match="not above 1"):
+        sync.sync_weights(version=1)
+    assert sync.sync_weights().version == 2
+    assert sync.calls == ["init", "sync:1", "sync:2"]
+
+
+class BeganSynchronizer(FleetSynchronizer):
+    """A fleet whose engines also say the highest version they began."""
+
+    def __init__(self, engines: list[EngineStatus]) -> None:
+        super().__init__({})
+        self.engines = engines
+
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        return FleetStatus.of(self.engines)
+
+
+def test_a_new_synchronizer_continues_above_the_highest_version_any_engine_began() -> None:
+    """A controller killed mid-refit leaves every engine closed: nothing is served, but the
+    engines remember version 5 began; the next controller must not reuse 1-5."""
+    closed = [
+        EngineStatus(s, f"w{s}", EngineHealth.CLOSED, detail="partial", began_version=5)
+        for s in (0, 1)
+    ]
+    sync = BeganSynchronizer(closed)
+    sync.init_communicator()
+    assert sync.version == 0 and sync.high_water_mark == 5
+    assert sync.sync_weights().version == 6
+    serving = [
+        EngineStatus(0, "w0", EngineHealth.SERVING, 2, began_version=4),
+        EngineStatus(1, "w1", EngineHealth.SERVING, 2, staged_version=3, began_version=2),
+        EngineStatus(2, "w2", EngineHealth.UNREACHABLE, detail="frozen"),
+    ]
+    adopting = BeganSynchronizer(serving)
+    adopting.init_communicator()
+    assert adopting.version == 2 and adopting.high_water_mark == 4
+    assert adopting.status().high_water_mark == 4
+
+
+def test_status_names_left_out_shards_and_those_that_answer_again() -> None:
+    sync = FleetSynchronizer({0: 1, 1: EngineHealth.UNREACHABLE, 2: 1})
+    sync.init_communicator()
+    sync.recover()
+    assert sync.status().left_out == (1,) and sync.status().returned == ()
+    sync.fleet[1] = 0  # the dropped engine answers again, on its old version
+    status = sync.status()
+    assert status.returned == (1,) and "left out shards [1]" in status.describe()
+    report = sync.recover()
+    assert report.dropped_shards == () and report.resync is not None
+    assert sync.status().left_out == () and sync.status().consistent
+
+
+def test_a_deadline_too_short_says_what_the_transfer_needed_and_needs_a_fix() -> None:
+    import pickle
+
+    error = DeadlineTooShortError.measured(
+        "refit to version 3", deadline_s=2.0, elapsed_s=2.0, progress=0.25
+    )
+    assert error.recovery is Recovery.FIX and not error.is_retryable
+    assert isinstance(error, RefitTimeoutError) and error.needed_s == pytest.approx(8.0)
+    assert "needs about 8.0 s" in str(error) and "refit_timeout_s=2 s" in str(error)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.needed_s, copy.deadline_s, copy.recovery) == (8.0, 2.0, Recovery.FIX)
+    unknown = DeadlineTooShortError.measured("x", deadline_s=1.0, elapsed_s=1.0, progress=0.0)
+    assert unknown.needed_s is None and "nothing of it moved" in str(unknown)
+
+
+def test_a_shard_of_several_workers_is_named_once() -> None:
+    workers = [EngineStatus(0, f"w{rank}", EngineHealth.SERVING, 2) for rank in range(2)]
+    status = FleetStatus.of([*workers, EngineStatus(1, "w2", EngineHealth.SERVING, 2)])
+    assert status.serving() == {2: (0, 1)} and status.shards(EngineHealth.SERVING) == (0, 1)
+
+
+def test_recover_with_no_engine_answering_drops_nothing_and_says_try_again() -> None:
+    sync = FleetSynchronizer({0: EngineHealth.UNREACHABLE, 1: EngineHealth.UNREACHABLE})
+    with pytest.raises(RefitTimeoutError, match="no engine answered") as failed:
+        sync.recover()
+    assert failed.value.recovery is Recovery.RECOVER and failed.value.failed_shards == (0, 1)
+    assert not any(call.startswith("reconcile") for call in sync.calls)

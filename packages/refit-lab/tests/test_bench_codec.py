@@ -74,6 +74,7 @@ GPU_RATIOS = {
     "gpu_diff_speedup_vs_torch_ne_nonzero": _gpu("refit_gpu_diff", "torch_ne_nonzero"),
     "gpu_encode_speedup_vs_host_path": _gpu("refit_gpu", "refit_host"),
     "pinned_encode_fraction_of_d2d_copy": _gpu("refit_gpu_pinned", "d2d_copy"),
+    "gpu_apply_fraction_of_d2d_copy": _gpu("refit_gpu_apply", "d2d_copy"),
 }
 
 
@@ -178,7 +179,13 @@ def test_gpu_bench_logic_on_cpu_tensors() -> None:
     ctx = BenchContext(quick=True, threads=2, size_bytes=1 << 20)
     report = codec_gpu.measure_gpu(ctx, repeats=1, device="cpu")
     cases = {row["case"] for row in report.results}
-    assert cases == {"d2d_copy", *codec_gpu.ENCODERS, "refit_gpu_diff", "torch_ne_nonzero"}
+    assert cases == {
+        "d2d_copy",
+        *codec_gpu.ENCODERS,
+        "refit_gpu_apply",
+        "refit_gpu_diff",
+        "torch_ne_nonzero",
+    }
     assert report.summary["bitexact"] is True
     assert report.summary["state_bytes"] >= 1 << 20
     assert 0 < report.summary["to_host_fraction"] < 0.1
@@ -186,6 +193,12 @@ def test_gpu_bench_logic_on_cpu_tensors() -> None:
     check_summary_ratios(
         report,
         GPU_RATIOS,
-        other_keys={"gpu_encode_gbps", "to_host_fraction", "changed_fraction", "state_bytes"},
+        other_keys={
+            "gpu_encode_gbps",
+            "gpu_apply_gbps",
+            "to_host_fraction",
+            "changed_fraction",
+            "state_bytes",
+        },
     )
     report.to_json()

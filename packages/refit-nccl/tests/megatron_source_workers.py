@@ -20,10 +20,11 @@ from refit_core import GeometryMismatchError, RefitError
 from refit_core.backend import CollectiveSenderSpec
 from refit_core.sources import StateDictSource
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig
-from refit_nccl.endpoint import EngineEndpoint, TrainerEndpoint
-from refit_nccl.group import GroupSpec
+from refit_nccl.group.spec import GroupSpec
 from refit_nccl.megatron import GPTConfig, MegatronSource, Parallelism
-from refit_nccl.roles import JoinRequest
+from refit_nccl.roles.contract import JoinRequest
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.roles.trainer import TrainerEndpoint
 
 SEED = 5
 GEOMETRY = CollectiveSenderSpec("refit", 1 << 20, 2)

@@ -16,12 +16,13 @@ from refit_core import RefitError, TensorSpec
 from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.faults import ProcessGang, fault_self
 from refit_lab.ray_cluster import free_port
-from refit_nccl.backends import Backend
-from refit_nccl.broadcast import receive_packed, send_packed
-from refit_nccl.child import ChildProcessGroup
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.handshake import agree_on_plan
-from refit_nccl.plan import TransferPlan
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.child.process_group import ChildProcessGroup
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.group.traits import Backend
+from refit_nccl.transfer.broadcast import receive_packed, send_packed
+from refit_nccl.transfer.handshake import agree_on_plan
+from refit_nccl.transfer.plan import TransferPlan
 
 MiB = 1024 * 1024
 SETUP_S = 30.0

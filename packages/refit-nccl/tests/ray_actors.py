@@ -20,8 +20,10 @@ from refit_lab.reference_engine import (
     random_checkpoint,
 )
 from refit_lab.trainer import SimulatedTrainer
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint, EngineStatus, TrainerEndpoint
+from refit_nccl.roles.contract import WorkerRefitStatus
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.roles.trainer import TrainerEndpoint
+from refit_nccl.transfer.stats import TransferStats
 
 
 class SlowLoadingEngine(ReferenceEngine):
@@ -75,7 +77,7 @@ class EngineWorker(EngineEndpoint, EngineWorkerProbes):
         """Say in every status that this worker cannot stage (as a vLLM worker does)."""
         self.stages = False
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         return dataclasses.replace(super().refit_status(), can_stage=self.stages)
 
     @property
@@ -127,10 +129,21 @@ class TrainerWorker(TrainerEndpoint):
 
     def __init__(self, config: ReferenceModelConfig, seed: int) -> None:
         self.trainer = SimulatedTrainer(random_checkpoint(config, seed), seed=seed, lr=1e-2)
+        self.transfer_delay_s = 0.0
         super().__init__(self.trainer)
 
     def step(self) -> None:
         self.trainer.step()
+
+    def set_transfer_delay(self, seconds: float) -> None:
+        """Make every transfer start ``seconds`` late (the engines wait in theirs)."""
+        self.transfer_delay_s = seconds
+
+    def refit_transfer(self, version: int, timeout_s: float | None) -> TransferStats:
+        time.sleep(self.transfer_delay_s)
+        return super().refit_transfer(
+            version, None if timeout_s is None else timeout_s - self.transfer_delay_s
+        )
 
     def engine_digests(self) -> dict[str, int]:
         return state_digest(self.trainer.engine_state().items())

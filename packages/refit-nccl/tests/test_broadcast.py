@@ -18,10 +18,11 @@ from nccl_workers import MiB, bitwise_differences, info_of, mixed_state
 from refit_core import ProtocolError, RefitTimeoutError
 from refit_core.backend import CollectiveSenderSpec, Deadline
 from refit_lab.ray_cluster import free_port
-from refit_nccl.broadcast import receive_packed, send_packed
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.plan import TransferPlan
-from refit_nccl.storage import PlanStorage, StagingBuffers
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.transfer.broadcast import receive_packed, send_packed
+from refit_nccl.transfer.plan import TransferPlan
+from refit_nccl.transfer.storage import PlanStorage, StagingBuffers
 
 RankFn = Callable[[AbortableProcessGroup], Any]
 

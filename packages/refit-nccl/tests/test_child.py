@@ -17,8 +17,8 @@ from refit_core import RefitAbortedError, RefitTimeoutError
 from refit_core.backend import Deadline
 from refit_lab.faults import ProcessGang
 from refit_lab.ray_cluster import free_port
-from refit_nccl.child import ChildProcessGroup
-from refit_nccl.group import GroupSpec
+from refit_nccl.group.child.process_group import ChildProcessGroup
+from refit_nccl.group.spec import GroupSpec
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ from refit_nccl import (
     TrainerEndpoint,
 )
 from refit_nccl.backend import DeviceReport, VllmPeerTrainer, choose_backend
-from refit_nccl.devices import DeviceType, local_device
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.devices import DeviceType, local_device
+from refit_nccl.group.spec import GroupSpec
 from refit_nccl.vllm_native.engine import VllmNativeGeneration
 
 MiB = 1024 * 1024

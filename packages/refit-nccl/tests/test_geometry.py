@@ -9,7 +9,7 @@ import pytest
 
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec
-from refit_nccl.geometry import (
+from refit_nccl.transfer.geometry import (
     VLLM_DOCUMENTED_GEOMETRY,
     installed_vllm_geometry,
     require_vllm_defaults,

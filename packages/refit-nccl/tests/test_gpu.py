@@ -18,7 +18,7 @@ import torch
 from nccl_workers import MiB, Report, by_event, launch
 from refit_lab.faults import ProcessGang
 from refit_lab.ray_cluster import free_port
-from refit_nccl.backends import traits_of
+from refit_nccl.group.traits import traits_of
 
 pytestmark = pytest.mark.gpu
 

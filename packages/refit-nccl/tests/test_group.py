@@ -15,9 +15,10 @@ import torch
 from refit_core import BackendNotInstalledError, RefitAbortedError, RefitError, RefitTimeoutError
 from refit_core.backend import Deadline
 from refit_lab.ray_cluster import free_port
-from refit_nccl.backends import traits_for, traits_of
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
-from refit_nccl.rendezvous import convention_of
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.rendezvous import convention_of
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.group.traits import traits_for, traits_of
 
 
 def test_abort_of_a_never_connected_group() -> None:

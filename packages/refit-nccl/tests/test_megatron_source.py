@@ -140,7 +140,8 @@ def test_qkv_is_un_interleaved_per_query_group() -> None:
 
 
 def test_the_source_is_a_sharded_weight_source_and_refuses_bad_arguments() -> None:
-    from refit_nccl.group import AbortableProcessGroup, GroupSpec
+    from refit_nccl.group.abortable import AbortableProcessGroup
+    from refit_nccl.group.spec import GroupSpec
     from refit_nccl.megatron import MegatronSource, Parallelism
 
     group = AbortableProcessGroup(GroupSpec("127.0.0.1", 1, 0, 1))
@@ -164,10 +165,11 @@ def test_the_source_is_a_sharded_weight_source_and_refuses_bad_arguments() -> No
 def test_a_non_sending_trainer_rank_of_a_sharded_source_is_refused_before_joining() -> None:
     from refit_core import GeometryMismatchError
     from refit_core.backend import CollectiveSenderSpec
-    from refit_nccl.endpoint import TrainerEndpoint
-    from refit_nccl.group import AbortableProcessGroup, GroupSpec
+    from refit_nccl.group.abortable import AbortableProcessGroup
+    from refit_nccl.group.spec import GroupSpec
     from refit_nccl.megatron import MegatronSource, Parallelism
-    from refit_nccl.roles import JoinRequest
+    from refit_nccl.roles.contract import JoinRequest
+    from refit_nccl.roles.trainer import TrainerEndpoint
 
     group = AbortableProcessGroup(GroupSpec("127.0.0.1", 1, 0, 1))
     source = MegatronSource(CONFIG, Parallelism(), dict, group)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_nccl.membership import ShardRanks, plan_membership
+from refit_nccl.controller.membership import ShardRanks, plan_membership
 
 
 def test_trainers_first_then_shards_on_contiguous_ranks() -> None:

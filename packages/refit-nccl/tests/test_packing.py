@@ -8,8 +8,8 @@ import torch
 from nccl_workers import MiB, bitwise_differences, info_of, mixed_state
 from refit_core import ProtocolError
 from refit_core.backend import CollectiveSenderSpec
-from refit_nccl.packing import check_tensor, pack_bucket, unpack_bucket
-from refit_nccl.plan import TransferPlan
+from refit_nccl.transfer.packing import check_tensor, pack_bucket, unpack_bucket
+from refit_nccl.transfer.plan import TransferPlan
 
 
 @pytest.mark.parametrize("peer", ["refit", "vllm"])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from refit_core import GeometryMismatchError, TensorSpec
 from refit_core.backend import CollectiveSenderSpec
-from refit_nccl.plan import ALIGN_BYTES, TransferPlan, torch_dtype
+from refit_nccl.transfer.plan import ALIGN_BYTES, TransferPlan, torch_dtype
 
 MiB = 1024 * 1024
 DTYPES = ["float32", "bfloat16", "float16", "int64", "int8", "uint8", "bool", "float64"]

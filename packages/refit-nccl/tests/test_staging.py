@@ -112,7 +112,7 @@ def test_stage_then_abort_leaves_the_old_bits_and_calls_no_hook(fleet: Any) -> N
         assert [e.staged_version for e in synchronizer.status().engines] == [None, None]
         with pytest.raises(RefitError, match="not the pending staging"):
             synchronizer.commit_weights(staged)
-        assert synchronizer.sync_weights().version == 2
+        assert synchronizer.sync_weights().version == 3, "2 was staged, then dropped: used"
         assert fleet.call("state_digests") == [expected_digests(trainer)] * 2
     finally:
         synchronizer.shutdown()
@@ -163,11 +163,11 @@ def test_an_engine_killed_while_staging_leaves_every_live_engine_serving_old_nev
         assert report.after.engines[0].version == 1
         fleet.restart(1, seed=901)
         rejoined = synchronizer.recover()
-        assert rejoined.after.consistent and rejoined.after.agreed_version == 2
+        assert rejoined.after.consistent and rejoined.after.agreed_version == 3, "2: used"
         assert fleet.call("state_digests") == [expected_digests(trainer)] * 2
         assert [h[:2] for h in fleet.call_one(0, "hooks")[len(hooks) :]] == [
-            ("begin", 2),
-            ("commit", 2),
+            ("begin", 3),
+            ("commit", 3),
         ]
     finally:
         synchronizer.shutdown()

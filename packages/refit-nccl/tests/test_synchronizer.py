@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,11 @@ def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> N
         assert elapsed <= deadline_s + 2.5, f"sync_weights took {elapsed:.1f} s"
         assert raised.value.wedged_workers == ("shard 1 worker 0",)
         assert synchronizer.is_stale()
+        for _ in range(3):  # each status waits one probe (1 s here) for the frozen engine
+            started = time.monotonic()
+            frozen = synchronizer.status()
+            assert time.monotonic() - started < deadline_s / 2, "not the deadline"
+            assert frozen.shards(EngineHealth.UNREACHABLE) == (1,)
         import ray
 
         def shard0_status() -> Any:
@@ -107,7 +113,8 @@ def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> N
         membership = synchronizer.membership
         assert membership is not None and membership.shard_indices == (0,)
         retried = synchronizer.sync_weights()
-        assert retried.version == 2 and [w.worker for w in retried.workers] == ["shard 0 worker 0"]
+        # versions 2 (failed) and 3 (refused: stale) were tried: never again
+        assert retried.version == 4 and [w.worker for w in retried.workers] == ["shard 0 worker 0"]
         shard0 = fleet.workers[0]
         expected = state_digest(trainer.engine_state().items())
         assert ray.get(shard0.state_digests.remote(), timeout=60) == expected
@@ -119,7 +126,7 @@ def test_frozen_engine_then_reconcile_over_survivors_and_rejoin(fleet: Any) -> N
         rejoined = synchronizer.sync_weights()
         assert rejoined.ok and len(rejoined.workers) == 2
         assert digests_match(fleet, trainer) == [True, True]
-        assert fleet.call("weight_version") == [3, 3]
+        assert fleet.call("weight_version") == [5, 5]
         expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
         assert fleet.call("generate", PROMPTS, 5) == [expected_tokens, expected_tokens]
     finally:
@@ -275,7 +282,7 @@ def test_trainer_ranks_as_ray_actors_through_the_factory(fleet: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
-    fleet: Any,
+    fleet: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With a 30 s deadline, SIGKILL of an engine worker mid-transfer fails the refit within
     a second (not at the deadline), the survivor is closed (it loaded part of the refit and
@@ -311,14 +318,20 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         assert states["shard 0 worker 0"] is EngineState.CLOSED
         with pytest.raises(ray.exceptions.RayTaskError, match="EngineClosedError"):
             ray.get(survivor.generate.remote(PROMPTS, 3), timeout=60)
-        status = synchronizer.status()
-        assert status.shards(EngineHealth.UNREACHABLE) == (1,)
-        assert status.shards(EngineHealth.CLOSED) == (0,)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            statuses = [synchronizer.status() for _ in range(3)]
+        dead = [r for r in caplog.records if "ActorDiedError" in r.getMessage()]
+        assert dead == [], "the death was told once, with the refit's error"
+        for status in statuses:
+            assert status.shards(EngineHealth.UNREACHABLE) == (1,)
+            assert status.shards(EngineHealth.CLOSED) == (0,)
+            assert "ActorDiedError" in (status.engines[1].detail or "")
 
         ray.get(survivor.set_load_delay.remote(0.0), timeout=30)
         report = synchronizer.recover()
         assert report.dropped_shards == (1,)
-        assert report.resync is not None and report.resync.version == 2
+        assert report.resync is not None and report.resync.version == 3, "2 failed: not reused"
         expected = state_digest(trainer.engine_state().items())
         assert ray.get(survivor.state_digests.remote(), timeout=60) == expected
         expected_tokens = trainer_generation(trainer, CONFIG, PROMPTS, 5)
@@ -328,7 +341,7 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         rejoined = synchronizer.recover()
         assert rejoined.dropped_shards == ()
         assert rejoined.resync is not None and rejoined.after.consistent
-        assert rejoined.after.agreed_version == synchronizer.version == 3
+        assert rejoined.after.agreed_version == synchronizer.version == 4
         assert digests_match(fleet, trainer) == [True, True]
     finally:
         synchronizer.shutdown()
@@ -337,3 +350,67 @@ def test_a_dead_engine_ends_the_refit_at_once_and_recover_restores_one_version(
         kill(victim_pid)
         if fleet.workers[1] is victim:  # failed before the restart: leave a whole fleet behind
             fleet.restart(1, seed=900)
+
+
+@pytest.mark.parametrize("status_timeout_s", [None, 0.5, 2.5])
+def test_the_status_probe_fits_the_deadline_or_is_refused(
+    fleet: Any, status_timeout_s: float | None
+) -> None:
+    """status_timeout_s is derived from the deadline (a tenth, within [1, 2] s) or refused
+    when the synchronizer is built if it takes more than a quarter of the deadline (a fleet
+    with a frozen engine could not be asked and rebuilt within it)."""
+    trainer = SimulatedTrainer(random_checkpoint(CONFIG, 1))
+    options = CollectiveOptions(status_timeout_s=status_timeout_s)
+
+    def build() -> Any:
+        return create_weight_synchronizer(
+            trainer,
+            fleet,
+            "vllm",
+            False,
+            train_cluster=LocalCluster(1),
+            refit_timeout_s=8.0,
+            options=options,
+        )
+
+    if status_timeout_s is not None and status_timeout_s > 2.0:
+        with pytest.raises(ValueError, match="status_timeout_s=2.5 does not fit"):
+            build()
+        return
+    build().shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("killed", ["before the refit", "in the middle"])
+def test_a_lost_trainer_is_always_a_timeout(fleet: Any, killed: str) -> None:
+    """The same fault raises the same error: a trainer rank whose process dies (before the
+    refit, or while the engines wait in its transfer) is a lost peer: a
+    ``RefitTimeoutError`` that needs ``recover()``, whichever participant reports first."""
+    import ray
+
+    from ray_actors import ACTOR_OPTIONS, RemoteTrainerWorker
+
+    fleet.reset(seed=1100)
+    trainer = RemoteTrainerWorker.options(**ACTOR_OPTIONS).remote(CONFIG, 11)
+
+    class RayPolicy:
+        def collective_trainers(self) -> list[Any]:
+            return [trainer]
+
+    synchronizer = make_synchronizer(RayPolicy(), fleet, timeout_s=30.0)
+    try:
+        synchronizer.sync_weights()
+        if killed == "before the refit":
+            ray.kill(trainer, no_restart=True)
+        else:
+            ray.get(trainer.set_transfer_delay.remote(5.0), timeout=60)
+        thread, outcome = failing_in_thread(synchronizer.sync_weights)
+        if killed == "in the middle":
+            time.sleep(0.5)
+            ray.kill(trainer, no_restart=True)
+        thread.join(60)
+        error = outcome["error"]
+        assert type(error) is RefitTimeoutError, repr(error)
+        assert error.recovery is Recovery.RECOVER
+    finally:
+        synchronizer.shutdown()

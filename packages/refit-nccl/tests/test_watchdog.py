@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from refit_core.backend import Deadline
-from refit_nccl.watchdog import Watchdog
+from refit_nccl.group.watchdog import Watchdog
 
 
 @pytest.mark.timeout(10)

@@ -61,3 +61,44 @@ def test_ipc_row_takes_its_options() -> None:
     )  # fmt: skip
     assert isinstance(sync, IpcWeightSynchronizer)
     assert sync.options == IpcOptions(buffer_size_bytes=MiB, device="cpu")
+
+
+class AdapterEngines:
+    """Engines holding adapter versions (nothing is asked before a refit)."""
+
+    def adapter_status(self, adapter: str, timeout_s: float | None) -> list[object]:
+        raise AssertionError("not called while building")
+
+    def adopt(self, adapter: str, engines: object) -> None:
+        raise AssertionError("not called while building")
+
+    def new_lora_id(self) -> int:
+        raise AssertionError("not called while building")
+
+    def load_adapter(self, load: object, timeout_s: float | None) -> None:
+        raise AssertionError("not called while building")
+
+    def serve_adapter(self, load: object, timeout_s: float | None) -> dict[str, str]:
+        raise AssertionError("not called while building")
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_lora_row_needs_its_options_and_takes_no_bucket_size(colocated: bool) -> None:
+    from refit_zmq.lora import LoraOptions, LoraWeightSynchronizer
+
+    options = LoraOptions("math", 8, 16.0, ("q_proj", "v_proj"))
+    sync = create_weight_synchronizer(
+        Trainer(), AdapterEngines(), "vllm", colocated, transport="lora", options=options
+    )
+    assert isinstance(sync, LoraWeightSynchronizer) and sync.options == options
+    with pytest.raises(ValueError, match="needs options=LoraOptions"):
+        create_weight_synchronizer(Trainer(), AdapterEngines(), "vllm", colocated, transport="lora")
+    with pytest.raises(ValueError, match="no refit_buffer_size_gb"):
+        create_weight_synchronizer(
+            Trainer(), AdapterEngines(), "vllm", colocated, refit_buffer_size_gb=1.0,
+            transport="lora", options=options,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="VllmLoraGeneration"):
+        create_weight_synchronizer(
+            Trainer(), Relays(), "vllm", colocated, transport="lora", options=options
+        )

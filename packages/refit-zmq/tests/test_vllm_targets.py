@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from refit_core import ProtocolError, RefitError, StaleBaseError, TensorSpec, WeightVersion
+from refit_core.vllm.write_map import WriteMap, record_writes
 from refit_zmq.relay import StaleTransferError, TransferConflictError
 from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 from refit_zmq.vllm.delta_receiver import StagedDeltas
 from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
-from refit_zmq.vllm.write_map import WriteMap, record_writes
 
 SHAPES = {
     "attn.q": (8, 8),

@@ -9,7 +9,7 @@ refit-core's README.
 """
 
 from refit_core.checkpoint import checkpoint_specs
-from refit_core.deadline import Deadline
+from refit_core.deadline import Deadline, probe_timeout_s
 from refit_core.engine_hooks import notify
 from refit_core.errors import refit_error_type, with_engines
 from refit_core.facade import lazy_facade
@@ -84,6 +84,7 @@ __all__ = [
     "notify",
     "pack_buckets",
     "plan_info",
+    "probe_timeout_s",
     "refit_error_type",
     "role_methods",
     "root_cause",

@@ -40,6 +40,7 @@ class _Listed:
     can_stage: bool | None = None
     clusters: tuple[str, ...] | None = None
     options: str | None = None
+    model_kinds: tuple[str, ...] | None = None
     description: str = ""
     on_failure: str | None = None
     install_hint: str | None = None
@@ -64,6 +65,7 @@ def _listing() -> list[_Listed]:
             r.row.can_stage,
             r.row.clusters_required,
             r.row.options,
+            r.row.model_kinds,
             r.row.description,
             r.row.on_failure or None,
         )
@@ -86,7 +88,7 @@ def _flag(value: bool | None) -> str:
 def _write_backends(listed: Sequence[_Listed], out: TextIO) -> None:
     headers = (
         "backend", "topology", "transport", "default", "stage", "clusters", "options",
-        "package", "version", "status",
+        "models", "package", "version", "status",
     )  # fmt: skip
     rows = [
         (
@@ -95,6 +97,7 @@ def _write_backends(listed: Sequence[_Listed], out: TextIO) -> None:
             _flag(item.can_stage),
             "-" if item.clusters is None else ", ".join(item.clusters) or "none",
             item.options.rpartition(":")[2] if item.options else "-",
+            ", ".join(item.model_kinds) if item.model_kinds else "-",
             item.package,
             item.version or "-",
             item.status if item.status == "installed" else item.install_hint or item.error or "",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from refit_core.errors import RefitTimeoutError
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "probe_timeout_s"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,29 @@ class Deadline:
         """Raise :class:`RefitTimeoutError` naming ``what`` if the deadline has passed."""
         if self.expired():
             raise RefitTimeoutError(f"deadline passed before {what}")
+
+
+PROBE_S = (1.0, 2.0)
+"""The bounds of a derived probe timeout (a tenth of the refit's deadline)."""
+
+
+def probe_timeout_s(given_s: float | None, refit_timeout_s: float | None, *, name: str) -> float:
+    """How long a status probe waits for each engine: ``given_s``, or a tenth of the refit's
+    deadline within :data:`PROBE_S` (its upper bound without a deadline).
+
+    Raises:
+        ValueError: ``given_s`` is not positive, or above a quarter of the deadline (a fleet
+            with a frozen engine could then not be asked and recovered within it); ``name``
+            names the option in the message.
+    """
+    if given_s is None:
+        low, high = PROBE_S
+        return high if refit_timeout_s is None else min(high, max(low, refit_timeout_s / 10))
+    if given_s <= 0:
+        raise ValueError(f"{name} must be > 0, got {given_s}")
+    if refit_timeout_s is not None and given_s > refit_timeout_s / 4:
+        raise ValueError(
+            f"{name}={given_s} does not fit a refit_timeout_s of {refit_timeout_s} (at most "
+            "a quarter of it); leave it None to derive it"
+        )
+    return given_s

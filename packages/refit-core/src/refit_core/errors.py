@@ -26,6 +26,7 @@ __all__ = [
     "AuthenticationError",
     "BackendNotInstalledError",
     "ChecksumMismatchError",
+    "DeadlineTooShortError",
     "EngineReport",
     "EngineState",
     "GeometryMismatchError",
@@ -107,9 +108,12 @@ class RefitError(Exception):
         wedged_workers: engines whose side of a transfer refit could not release (for
             example a Dynamo or SGLang process inside a collective); they need recovery.
         engines: each engine's state after the failure, where the backend knows it.
+        progress: the share of the transfer's bytes (0 to 1) the participant that raised it
+            had moved when it failed, where it knows it (None: unknown).
     """
 
     recovery: Recovery = Recovery.FIX
+    progress: float | None = None
 
     def __init__(
         self,
@@ -161,6 +165,62 @@ class RefitTimeoutError(RefitError, TimeoutError):
     """A refit (or one of its network or collective calls) passed its deadline."""
 
     recovery = Recovery.RECOVER
+
+
+class DeadlineTooShortError(RefitTimeoutError):
+    """The refit's deadline passed while every participant was alive and moving bytes: the
+    transfer needs more time than ``refit_timeout_s`` gives it. No retry or recovery fixes
+    that (``Recovery.FIX``): raise the deadline (or shrink the transfer).
+
+    Attributes:
+        deadline_s: the deadline the refit had.
+        needed_s: the time the transfer needed, measured from the share of it that moved by
+            the deadline (None: nothing moved, so only "more than ``deadline_s``" is known).
+    """
+
+    recovery = Recovery.FIX
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        deadline_s: float,
+        needed_s: float | None,
+        engines: Sequence[EngineReport] = (),
+    ) -> None:
+        super().__init__(message, engines=engines)
+        self.deadline_s = deadline_s
+        self.needed_s = needed_s
+
+    @classmethod
+    def measured(
+        cls,
+        what: str,
+        *,
+        deadline_s: float,
+        elapsed_s: float,
+        progress: float | None,
+        engines: Sequence[EngineReport] = (),
+    ) -> DeadlineTooShortError:
+        """The error for ``what``, which moved ``progress`` of its bytes in ``elapsed_s``
+        before the deadline of ``deadline_s`` passed: the time it needed, from that rate."""
+        needed = elapsed_s / progress if progress is not None and progress > 0 else None
+        if progress is None:
+            measure = f"it did not finish in {elapsed_s:.1f} s"
+        elif needed is None:
+            measure = f"nothing of it moved in {elapsed_s:.1f} s"
+        else:
+            measure = (
+                f"it moved {progress:.0%} of its bytes in {elapsed_s:.1f} s, so it needs about "
+                f"{needed:.1f} s"
+            )
+        return cls(
+            f"{what} needs more than refit_timeout_s={deadline_s:g} s ({measure}); every "
+            "engine answered, none failed: raise refit_timeout_s",
+            deadline_s=deadline_s,
+            needed_s=needed,
+            engines=engines,
+        )
 
 
 class RefitAbortedError(RefitError):

@@ -39,6 +39,8 @@ class EngineStatus:
         staged_version: a version moved and verified beside the served one, not yet
             committed (None when nothing is staged).
         detail: one line on why it is closed or unreachable.
+        began_version: the highest version a refit ever began on it (committed or not,
+            remembered while it is closed); None when it cannot say (unreachable).
     """
 
     shard: int
@@ -47,6 +49,7 @@ class EngineStatus:
     version: int | None = None
     staged_version: int | None = None
     detail: str | None = None
+    began_version: int | None = None
 
     def __post_init__(self) -> None:
         if (self.health is EngineHealth.SERVING) != (self.version is not None):
@@ -55,21 +58,30 @@ class EngineStatus:
 
 @dataclass(frozen=True)
 class FleetStatus:
-    """Every engine of a synchronizer's fleet, in shard order."""
+    """Every engine of a synchronizer's fleet, in shard order.
+
+    Attributes:
+        engines: each engine as it reported itself.
+        left_out: the shards the synchronizer's communicator leaves out (dropped by
+            ``recover()`` or ``reconcile_communicator``); their engines are asked too, so
+            one that answers again shows in :attr:`returned`.
+    """
 
     engines: tuple[EngineStatus, ...]
+    left_out: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, engines: Iterable[EngineStatus]) -> FleetStatus:
+    def of(cls, engines: Iterable[EngineStatus], left_out: Iterable[int] = ()) -> FleetStatus:
         """The status of ``engines``, sorted by shard."""
-        return cls(tuple(sorted(engines, key=lambda e: (e.shard, e.worker))))
+        ordered = tuple(sorted(engines, key=lambda e: (e.shard, e.worker)))
+        return cls(ordered, tuple(sorted(set(left_out))))
 
     def serving(self) -> dict[int, tuple[int, ...]]:
-        """Version -> the shards serving it."""
-        by_version: dict[int, list[int]] = {}
+        """Version -> the shards serving it (a shard of several workers named once)."""
+        by_version: dict[int, dict[int, None]] = {}
         for engine in self.engines:
             if engine.version is not None:
-                by_version.setdefault(engine.version, []).append(engine.shard)
+                by_version.setdefault(engine.version, {})[engine.shard] = None
         return {v: tuple(shards) for v, shards in sorted(by_version.items())}
 
     def shards(self, health: EngineHealth) -> tuple[int, ...]:
@@ -89,6 +101,25 @@ class FleetStatus:
         return max(versions) if versions else None
 
     @property
+    def high_water_mark(self) -> int | None:
+        """The highest version any engine serves, staged or ever began: a new version must
+        be above it (versions are never reused)."""
+        seen = [
+            v
+            for e in self.engines
+            for v in (e.version, e.staged_version, e.began_version)
+            if v is not None
+        ]
+        return max(seen) if seen else None
+
+    @property
+    def returned(self) -> tuple[int, ...]:
+        """Left-out shards whose engines answer again (``recover()`` takes them back in,
+        with a dense resync)."""
+        answering = {e.shard for e in self.engines if e.health is not EngineHealth.UNREACHABLE}
+        return tuple(s for s in self.left_out if s in answering)
+
+    @property
     def consistent(self) -> bool:
         """Every engine serves, all the same version."""
         return bool(self.engines) and (
@@ -103,4 +134,6 @@ class FleetStatus:
             shards = self.shards(health)
             if shards:
                 parts.append(f"{health} shards {list(shards)}")
+        if self.left_out:
+            parts.append(f"left out shards {list(self.left_out)}")
         return "; ".join(parts) or "no engines"

@@ -40,6 +40,8 @@ KNOWN_ROWS: tuple[KnownRow, ...] = (
     KnownRow("vllm", "colocated", "ipc", "refit-zmq", "vllm", default=True),
     KnownRow("vllm", "non-colocated", "collective", "refit-nccl", "vllm", default=True),
     KnownRow("vllm", "non-colocated", "zmq_sparse", "refit-zmq", "vllm"),
+    KnownRow("vllm", "colocated", "lora", "refit-zmq", "vllm"),
+    KnownRow("vllm", "non-colocated", "lora", "refit-zmq", "vllm"),
     KnownRow("sglang", "colocated", "ray_ipc", "refit-sglang", "sglang", default=True),
     KnownRow("sglang", "non-colocated", "collective", "refit-sglang", "sglang", default=True),
     KnownRow("megatron", "colocated", "reshard", "refit-nccl", "megatron", default=True),

@@ -53,6 +53,9 @@ class BackendRow:
         can_stage: whether the row can stage a refit and commit it later (two-phase).
         on_failure: what an engine serves after a refit of this row failed (exactly its
             previous version, or nothing until a complete refit; never mixed weights).
+        model_kinds: what the row refits: ``dense`` (a model's weights, every tensor in the
+            engine's unquantized layout), ``lora`` (a LoRA adapter's tensors beside the base
+            model), later ``moe`` and ``quantized``; ``refit backends`` lists them.
     """
 
     backend: str
@@ -66,6 +69,7 @@ class BackendRow:
     inference_cluster: tuple[str, ...] = ()
     can_stage: bool = False
     on_failure: str = ""
+    model_kinds: tuple[str, ...] = ("dense",)
 
     def __post_init__(self) -> None:
         for field_name in ("backend", "transport"):
@@ -84,6 +88,15 @@ class BackendRow:
                 isinstance(m, str) and _METHOD.match(m) for m in methods
             ):
                 raise ValueError(f"row {field_name} must be a tuple of method names")
+        if (
+            not isinstance(self.model_kinds, tuple)
+            or not self.model_kinds
+            or not all(isinstance(k, str) and _NAME.match(k) for k in self.model_kinds)
+        ):
+            raise ValueError(
+                f"row model_kinds must be a non-empty tuple of lower-case names, got "
+                f"{self.model_kinds!r}"
+            )
 
     @property
     def key(self) -> str:

@@ -7,11 +7,17 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 from refit_core.deadline import Deadline
-from refit_core.errors import RefitError, RefitTimeoutError, SynchronizerClosedError
+from refit_core.errors import (
+    EngineReport,
+    EngineState,
+    RefitError,
+    RefitTimeoutError,
+    SynchronizerClosedError,
+)
 from refit_core.fleet import EngineHealth, FleetStatus
 from refit_core.staging import StagedRefit
 from refit_core.types import RefitResult, WeightVersion
@@ -57,6 +63,7 @@ class WeightSynchronizer(ABC):
         Deadline.after(refit_timeout_s)  # validates the value
         self.refit_timeout_s = refit_timeout_s
         self._version = WeightVersion(0)
+        self._high_water = WeightVersion(0)
         self._staged: StagedRefit | None = None
         self._initialized = False
         self._closed = False
@@ -68,6 +75,13 @@ class WeightSynchronizer(ABC):
     def version(self) -> int:
         """The weight version the engines serve after the last successful refit."""
         return self._version.value
+
+    @property
+    def high_water_mark(self) -> int:
+        """The highest version this synchronizer ever tried, or its fleet ever began or
+        served: every new version is above it, so no version is used for two sets of
+        weights (a failed refit's version is not tried again)."""
+        return self._high_water.value
 
     def init_communicator(self) -> None:
         """Set up the transport (groups, sockets, handles); idempotent."""
@@ -85,24 +99,27 @@ class WeightSynchronizer(ABC):
             self._adopt_fleet_version(deadline)
 
     def sync_weights(self, version: int | None = None) -> RefitResult:
-        """Run one refit to ``version`` (default: the current version + 1).
+        """Run one refit to ``version`` (default: one above :attr:`high_water_mark`). Its
+        ``total_s`` is the whole call, and ``timings_s["connect"]`` the part spent setting up
+        the communicator (a new synchronizer's first refit) before the backend's phases.
 
         Raises:
-            ValueError: ``version`` does not increase.
+            ValueError: ``version`` is not above :attr:`high_water_mark` (it was used).
             RefitTimeoutError: the refit passed ``refit_timeout_s``; the communicator is stale.
             RefitError: any other failure, with the backend's error as its cause.
         """
         with self._lock:
+            called = time.monotonic()
             self._require_open()
             self._require_nothing_staged()
             self.init_communicator()  # first: a new synchronizer adopts the fleet's version
-            target = self._version.next() if version is None else WeightVersion(version)
-            self._version.require_advance_to(target)
+            target, before = self._claim(version)
             deadline = self._deadline()
             started = time.monotonic()
             logger.info("%s: refit to version %d", type(self).__name__, target.value)
-            result = self._run_hook(
+            result = self._run_claimed(
                 f"refit to version {target.value}",
+                before,
                 lambda: self._sync_weights(target.value, deadline),
             )
             if result.version != target.value:
@@ -110,26 +127,32 @@ class WeightSynchronizer(ABC):
                     f"backend reported version {result.version}, expected {target.value}"
                 )
             self._version = target
+            # The whole call: the communicator set up (a new synchronizer's first refit) too.
+            result = replace(
+                result,
+                timings_s={**result.timings_s, "connect": started - called},
+                total_s=time.monotonic() - called,
+            )
             logger.info(
                 "%s: version %d in %.3f s (%d wire bytes of %d dense)",
                 type(self).__name__,
                 target.value,
-                time.monotonic() - started,
+                result.total_s,
                 result.wire_bytes,
                 result.dense_bytes,
             )
             return result
 
     def stage_weights(self, version: int | None = None) -> StagedRefit:
-        """Move and verify ``version`` (default: the current version + 1) on every engine,
-        beside the version it serves, without changing what any engine serves.
+        """Move and verify ``version`` (default: one above :attr:`high_water_mark`) on every
+        engine, beside the version it serves, without changing what any engine serves.
 
         Nothing is committed anywhere unless every engine staged it; a failure here leaves
         every engine serving the old version, never paused.
 
         Raises:
             NotImplementedError: the row cannot stage (``supports_staging`` is False).
-            ValueError: ``version`` does not increase.
+            ValueError: ``version`` is not above :attr:`high_water_mark` (it was used).
             RefitError: a refit is already staged, or staging failed (nothing changed).
         """
         with self._lock:
@@ -137,12 +160,12 @@ class WeightSynchronizer(ABC):
             self._require_staging()
             self._require_nothing_staged()
             self.init_communicator()  # first: a new synchronizer adopts the fleet's version
-            target = self._version.next() if version is None else WeightVersion(version)
-            self._version.require_advance_to(target)
+            target, before = self._claim(version)
             deadline = self._deadline()
             logger.info("%s: staging version %d", type(self).__name__, target.value)
-            staged = self._run_hook(
+            staged = self._run_claimed(
                 f"staging version {target.value}",
+                before,
                 lambda: self._stage_weights(target.value, deadline),
             )
             if staged.version != target.value:
@@ -196,18 +219,20 @@ class WeightSynchronizer(ABC):
         return self._staged
 
     def status(self) -> FleetStatus:
-        """Every engine as it reports itself: health, the version it serves, anything staged.
+        """Every engine as it reports itself: health, the version it serves, anything staged,
+        the highest version it ever began, and which shards the communicator leaves out.
 
-        Works before the first refit and while the communicator is broken (it asks each
-        engine directly, within ``refit_timeout_s``).
+        Works before the first refit and while the communicator is broken: it asks every
+        engine at once, each within a short probe timeout the row derives from
+        ``refit_timeout_s`` (one that does not answer in time is ``unreachable``), so it
+        takes about one probe timeout, not the deadline, when an engine is frozen.
 
         Raises:
             NotImplementedError: the row cannot ask its engines.
         """
         with self._lock:
             self._require_open()
-            deadline = self._deadline()
-            return self._run_hook("status", lambda: self.fleet_status(deadline))
+            return self._status(self._deadline())
 
     def wait_for_switch(
         self, result: RefitResult, *, timeout_s: float | None = None, poll_s: float = 0.5
@@ -246,13 +271,14 @@ class WeightSynchronizer(ABC):
         """Bring the fleet back to one version after any failure, as its error advised.
 
         Asks every engine (:meth:`status`), rebuilds the communicator without the engines
-        that do not answer, finishes transfers a fault left open, and, when the live
-        engines are closed, disagree or serve another version than this synchronizer,
-        runs a dense refit of the trainer's current weights to a new version above every
-        version served. A pending staging is aborted first. Each step has the refit's
-        deadline.
+        that do not answer (and with the left-out ones that answer again), finishes
+        transfers a fault left open, and, when the live engines are closed, disagree or
+        serve another version than this synchronizer, runs a dense refit of the trainer's
+        current weights to a new version above :attr:`high_water_mark`. A pending staging
+        is aborted first. Each step has the refit's deadline.
 
         Raises:
+            RefitTimeoutError: no engine answered (``Recovery.RECOVER``: try again later).
             RefitError: a step failed (the fleet is then as :meth:`status` says).
         """
         with self._lock:
@@ -267,8 +293,16 @@ class WeightSynchronizer(ABC):
                     f"abort of staged version {staged.version}",
                     lambda: self._abort_staged(staged, deadline),
                 )
-            before = self._run_hook("status", lambda: self.fleet_status(deadline))
+            before = self._status(deadline)
             dropped = before.shards(EngineHealth.UNREACHABLE)
+            if before.engines and set(dropped) == {e.shard for e in before.engines}:
+                raise RefitTimeoutError(
+                    f"no engine answered ({before.describe()}): nothing to recover onto yet",
+                    engines=[
+                        EngineReport(e.shard, e.worker, EngineState.UNKNOWN, None, e.detail)
+                        for e in before.engines
+                    ],
+                )
             logger.info("%s: recovering from %s", type(self).__name__, before.describe())
             self._run_hook(
                 "reconcile_communicator",
@@ -276,18 +310,17 @@ class WeightSynchronizer(ABC):
             )
             self._initialized = True
             self._run_hook("closing open transfers", lambda: self._close_open_transfers(deadline))
-            live = self._live(self._run_hook("status", lambda: self.fleet_status(deadline)))
+            live = self._live(self._status(deadline))
             resync: RefitResult | None = None
             if not live.consistent or live.agreed_version != self.version:
-                newest = max(self.version, live.newest_version or 0)
                 logger.info(
                     "%s: resyncing %s to version %d",
                     type(self).__name__,
                     live.describe(),
-                    newest + 1,
+                    self.high_water_mark + 1,
                 )
-                resync = self.sync_weights(newest + 1)
-            after = self.fleet_status(self._deadline())
+                resync = self.sync_weights()
+            after = self._status(self._deadline())
             logger.info("%s: recovered: %s", type(self).__name__, after.describe())
             return RecoveryReport(before, dropped, resync, after)
 
@@ -396,10 +429,53 @@ class WeightSynchronizer(ABC):
             return fleet
         return FleetStatus(tuple(e for e in fleet.engines if e.shard in live))
 
-    def _adopt_fleet_version(self, deadline: Deadline) -> None:
-        """Start from the newest version the engines serve (a restarted controller)."""
+    def _status(self, deadline: Deadline) -> FleetStatus:
+        """The fleet's status with the left-out shards named; its high-water mark raises
+        this synchronizer's."""
+        fleet = self._run_hook("status", lambda: self.fleet_status(deadline))
+        live = self.live_shards()
+        if live is not None:
+            fleet = FleetStatus.of(
+                fleet.engines, (e.shard for e in fleet.engines if e.shard not in live)
+            )
+        self._raise_high_water(fleet.high_water_mark)
+        return fleet
+
+    def _raise_high_water(self, version: int | None) -> None:
+        if version is not None and version > self._high_water.value:
+            self._high_water = WeightVersion(version)
+
+    def _claim(self, version: int | None) -> tuple[WeightVersion, WeightVersion]:
+        """The version of the next refit (default: one above the high-water mark), recorded
+        as used before anything moves; and the mark before it.
+
+        Raises:
+            ValueError: ``version`` is not above the high-water mark.
+        """
+        floor = max(self._version, self._high_water)
+        target = floor.next() if version is None else WeightVersion(version)
+        if target <= floor:
+            raise ValueError(
+                f"weight version must increase: {target.value} is not above "
+                f"{floor.value}, the highest version used so far"
+            )
+        before, self._high_water = self._high_water, target
+        return target, before
+
+    def _run_claimed(self, what: str, before: WeightVersion, hook: Callable[[], _T]) -> _T:
+        """Run a refit's hook; a refusal before anything moved (``NotImplementedError``,
+        ``ValueError``) gives its version back."""
         try:
-            fleet = self.fleet_status(deadline)
+            return self._run_hook(what, hook)
+        except (NotImplementedError, ValueError):
+            self._high_water = before
+            raise
+
+    def _adopt_fleet_version(self, deadline: Deadline) -> None:
+        """Start from the newest version the engines serve, and above the highest one any of
+        them ever began (a restarted controller)."""
+        try:
+            fleet = self._status(deadline)
         except NotImplementedError:
             return
         except RefitError as exc:
@@ -415,6 +491,12 @@ class WeightSynchronizer(ABC):
         if newest is not None and newest > self._version.value:
             logger.info("%s: the fleet serves version %d; adopting it", type(self).__name__, newest)
             self._version = WeightVersion(newest)
+        logger.info(
+            "%s: the fleet's high-water mark is %d; the next version is %d",
+            type(self).__name__,
+            self.high_water_mark,
+            max(self.version, self.high_water_mark) + 1,
+        )
 
     def _require_staging(self) -> None:
         if not self.supports_staging:

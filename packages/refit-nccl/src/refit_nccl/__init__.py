@@ -7,6 +7,13 @@ and the protocols of the objects handed to the factory. Packages that build on r
 process groups and packed broadcast (refit-sglang, refit-dynamo) use
 :mod:`refit_nccl.backend`. The names import torch on first use, so ``import refit_nccl``
 (and reading its rows) stays light.
+
+The modules are laid out by concern: ``group`` (the abortable process group, its child-process
+variant and watchdog), ``transfer`` (what moves through a group: plan, packing, broadcast),
+``roles`` (the contract the controller calls and the trainer and engine endpoints),
+``controller`` (the synchronizer and its builder), and one folder per engine family:
+``vllm`` (refit's receiver inside vLLM workers), ``vllm_native`` (vLLM's own NCCL data plane),
+``peers`` (engines that join through their own protocol) and ``megatron``.
 """
 
 from importlib import metadata
@@ -15,32 +22,36 @@ from typing import TYPE_CHECKING
 from refit_core.backend import lazy_facade
 
 if TYPE_CHECKING:
-    from refit_nccl.builder import CollectiveGeneration, CollectivePolicy, PeerGeneration
-    from refit_nccl.devices import DeviceMismatchError
-    from refit_nccl.endpoint import (
-        CollectiveEngine,
-        CommitStats,
-        EngineEndpoint,
-        EngineStatus,
-        TrainerEndpoint,
+    from refit_nccl.controller.builder import (
+        CollectiveGeneration,
+        CollectivePolicy,
+        PeerGeneration,
     )
-    from refit_nccl.roles import (
+    from refit_nccl.controller.options import CollectiveOptions
+    from refit_nccl.controller.synchronizer import CollectiveWeightSynchronizer
+    from refit_nccl.group.devices import DeviceMismatchError
+    from refit_nccl.roles.contract import (
         CollectiveEngineRole,
         CollectiveMemberRole,
         CollectiveStagingRole,
         CollectiveTrainerRole,
+        CommitStats,
+        WorkerRefitStatus,
     )
-    from refit_nccl.synchronizer import CollectiveOptions, CollectiveWeightSynchronizer
+    from refit_nccl.roles.engine import CollectiveEngine, EngineEndpoint
+    from refit_nccl.roles.trainer import TrainerEndpoint
     from refit_nccl.vllm_native.engine import LLMWeightSyncClient, VllmNativeGeneration
 else:
     __getattr__ = lazy_facade(
         __name__,
         (
-            "refit_nccl.builder",
-            "refit_nccl.devices",
-            "refit_nccl.endpoint",
-            "refit_nccl.roles",
-            "refit_nccl.synchronizer",
+            "refit_nccl.controller.builder",
+            "refit_nccl.controller.options",
+            "refit_nccl.controller.synchronizer",
+            "refit_nccl.group.devices",
+            "refit_nccl.roles.contract",
+            "refit_nccl.roles.engine",
+            "refit_nccl.roles.trainer",
             "refit_nccl.vllm_native.engine",
         ),
     )
@@ -60,10 +71,10 @@ __all__ = [
     "CommitStats",
     "DeviceMismatchError",
     "EngineEndpoint",
-    "EngineStatus",
     "LLMWeightSyncClient",
     "PeerGeneration",
     "TrainerEndpoint",
     "VllmNativeGeneration",
+    "WorkerRefitStatus",
     "__version__",
 ]

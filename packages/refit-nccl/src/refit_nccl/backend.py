@@ -6,27 +6,32 @@ through their own protocol, and engine ranks refit drives through the engine's o
 (``DrivenRankEndpoint``). Everything else in ``refit_nccl`` is internal.
 """
 
-from refit_nccl.backends import Backend
-from refit_nccl.broadcast import Consumer, TransferStats, receive_packed, send_packed
-from refit_nccl.child import ChildProcessGroup
-from refit_nccl.devices import DeviceReport, DeviceType, choose_backend
-from refit_nccl.driven import DrivenRankEndpoint, DrivenRankParticipant
-from refit_nccl.geometry import DEFAULT_GEOMETRY, installed_vllm_geometry, require_vllm_defaults
-from refit_nccl.group import AbortableProcessGroup, GroupSpec, PendingCall
-from refit_nccl.handshake import agree_on_plan
-from refit_nccl.membership import Membership, ShardRanks, plan_membership
-from refit_nccl.peer import PeerTrainer
-from refit_nccl.plan import Bucket, Slot, TransferPlan
-from refit_nccl.roles import JoinRequest, StateItems
-from refit_nccl.storage import PlanStorage, StagingBuffers
-from refit_nccl.synchronizer import ShardMap
-from refit_nccl.vllm_peer import VllmPeerTrainer
+from refit_nccl.controller.membership import Membership, ShardRanks, plan_membership
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.calls import PendingCall
+from refit_nccl.group.child.process_group import ChildProcessGroup
+from refit_nccl.group.devices import DeviceReport, DeviceType, choose_backend
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.group.traits import Backend
+from refit_nccl.peers.driven import DrivenRankEndpoint, DrivenRankParticipant
+from refit_nccl.peers.trainer import PeerTrainer
+from refit_nccl.roles.contract import JoinRequest, ShardMap, StateItems
+from refit_nccl.transfer.broadcast import Consumer, receive_packed, send_packed
+from refit_nccl.transfer.geometry import (
+    DEFAULT_GEOMETRY,
+    installed_vllm_geometry,
+    require_vllm_defaults,
+)
+from refit_nccl.transfer.handshake import agree_on_plan
+from refit_nccl.transfer.plan import PackedBucket, Slot, TransferPlan
+from refit_nccl.transfer.stats import TransferStats
+from refit_nccl.transfer.storage import PlanStorage, StagingBuffers
+from refit_nccl.vllm_native.trainer import VllmPeerTrainer
 
 __all__ = [
     "DEFAULT_GEOMETRY",
     "AbortableProcessGroup",
     "Backend",
-    "Bucket",
     "ChildProcessGroup",
     "Consumer",
     "DeviceReport",
@@ -36,6 +41,7 @@ __all__ = [
     "GroupSpec",
     "JoinRequest",
     "Membership",
+    "PackedBucket",
     "PeerTrainer",
     "PendingCall",
     "PlanStorage",

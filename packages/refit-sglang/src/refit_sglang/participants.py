@@ -29,7 +29,7 @@ from refit_core.backend import (
     in_thread,
     method_name,
 )
-from refit_nccl import CollectiveEngineRole, EngineStatus
+from refit_nccl import CollectiveEngineRole, WorkerRefitStatus
 from refit_nccl.backend import DeviceReport, JoinRequest, TransferStats
 from refit_sglang.client import SGLangClient
 from refit_sglang.lifecycle import LIFECYCLE_ROUTES, PauseMode, flush_caches, paused
@@ -120,7 +120,7 @@ class SGLangRankEndpoint(CollectiveEngineRole):
         """Nothing to do: the last bucket carried the version and the cache was flushed."""
         return version
 
-    def refit_status(self) -> EngineStatus:
+    def refit_status(self) -> WorkerRefitStatus:
         """Not known here: SGLang reports no refit state of its own.
 
         Raises:

@@ -38,7 +38,7 @@ class SGLangPeerTrainer(PeerTrainer[DistributedPlan]):
 
     def _group_spec(self, request: JoinRequest) -> GroupSpec:
         """SGLang's engines join with ``init_custom_process_group``: its store keys, no
-        warm-up (:mod:`refit_nccl.rendezvous`, ``"sglang"``)."""
+        warm-up (:mod:`refit_nccl.group.rendezvous`, ``"sglang"``)."""
         return dataclasses.replace(request.group, rendezvous="sglang")
 
     def _send(

@@ -1,8 +1,8 @@
 """The backend rows refit-zmq implements (read by refit-core's registry; imports nothing heavy)."""
 
-from refit_core.backend import BackendRow
+from refit_core.backend import BackendRow, Topology
 
-__all__ = ["VLLM_IPC", "VLLM_ZMQ_SPARSE"]
+__all__ = ["VLLM_IPC", "VLLM_LORA_COLOCATED", "VLLM_LORA_NON_COLOCATED", "VLLM_ZMQ_SPARSE"]
 
 VLLM_IPC = BackendRow(
     backend="vllm",
@@ -28,3 +28,23 @@ VLLM_ZMQ_SPARSE = BackendRow(
     options="refit_zmq.sparse:ZmqSparseOptions",
     can_stage=True,
 )
+
+
+def _lora_row(topology: Topology) -> BackendRow:
+    return BackendRow(
+        backend="vllm",
+        topology=topology,
+        transport="lora",
+        builder="refit_zmq.lora.builder:build_lora_synchronizer",
+        description=(
+            "one LoRA adapter from memory, each version beside the last (delta-coded over the "
+            "engine's RPC)"
+        ),
+        on_failure="previous version of the adapter (the new one is dropped everywhere)",
+        options="refit_zmq.lora:LoraOptions",
+        model_kinds=("lora",),
+    )
+
+
+VLLM_LORA_COLOCATED = _lora_row("colocated")
+VLLM_LORA_NON_COLOCATED = _lora_row("non-colocated")

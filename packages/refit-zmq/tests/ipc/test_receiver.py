@@ -22,7 +22,7 @@ from refit_zmq.ipc.protocol import manifest_to_json
 from refit_zmq.ipc.shm import ShmBuffer, ShmHandle, attach_shm
 from refit_zmq.ipc.sizing import (
     ALIGN_BYTES,
-    MAX_DEFAULT_BUFFER_BYTES,
+    MAX_DEFAULT_HOST_BUFFER_BYTES,
     MIN_BUFFER_BYTES,
     default_buffer_bytes,
 )
@@ -224,7 +224,7 @@ def test_the_packer_aligns_slots_and_gives_big_tensors_their_own_buffer() -> Non
 
 def test_default_buffers_are_bounded_and_aligned() -> None:
     size = default_buffer_bytes(torch.device("cpu"))
-    assert MIN_BUFFER_BYTES <= size <= MAX_DEFAULT_BUFFER_BYTES and size % ALIGN_BYTES == 0
+    assert MIN_BUFFER_BYTES <= size <= MAX_DEFAULT_HOST_BUFFER_BYTES and size % ALIGN_BYTES == 0
 
 
 def test_a_shared_buffer_is_refused_when_it_is_not_the_one_named() -> None:

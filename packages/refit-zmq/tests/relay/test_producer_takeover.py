@@ -28,7 +28,9 @@ class StarvedPolicy:
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
         self.starved = threading.Event()
-        self.delay_s = 0.7
+        # Past a 2 s deadline and the grace a refit gives its producers to report after it
+        # (DECISION_GRACE_S): the refit fails while the starved stream still runs.
+        self.delay_s = 4.0
         self.reading = 0
         self.most_reading = 0
         self._lock = threading.Lock()
@@ -73,7 +75,7 @@ def test_the_next_refit_waits_for_a_starved_stream_and_commits_alone() -> None:
     try:
         assert sync.sync_weights().version == 1  # a dense resync: no baseline yet
         policy.state = step_state(policy.state, seed=92)
-        policy.starved.set()  # five tensors at 0.7 s each: past a 2 s deadline
+        policy.starved.set()  # its first tensor takes 4 s: the refit fails while it streams
         sync.refit_timeout_s = 2.0
         with pytest.raises(RefitTimeoutError):
             sync.sync_weights()

@@ -90,23 +90,72 @@ def test_rollback_restores_every_bit(trainer: Trainer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "metadata", "error"),
+    ("version", "metadata", "error", "begun"),
     [
-        (2, {}, StaleBaseError),
-        (3, {"checksum": "f" * 32}, ChecksumMismatchError),
-        (3, {"target": 5}, ProtocolError),  # the BEGIN says 5, the items say 4
-        (3, {"base": None}, ProtocolError),  # the BEGIN says resync, the items are a delta
+        (2, {}, StaleBaseError, False),
+        (3, {"checksum": "f" * 32}, ChecksumMismatchError, True),  # known after its writes
+        (3, {"target": 5}, ProtocolError, False),  # the BEGIN says 5, the items say 4
+        (3, {"base": None}, ProtocolError, False),  # the BEGIN says resync, the items a delta
     ],
 )
 def test_refused_payloads_touch_nothing(
-    trainer: Trainer, version: int, metadata: dict[str, Any], error: type[Exception]
+    trainer: Trainer, version: int, metadata: dict[str, Any], error: type[Exception], begun: bool
 ) -> None:
-    receiver, tensors = _receiver(version)
+    """Nothing of a refused payload stays written. A transfer whose first payload is refused
+    after its engine was told it began ends there: the engine is told (every transfer begun
+    ends in a commit or a rollback), and a later payload of it is refused."""
+    events: list[str] = []
+    receiver, tensors = _receiver(
+        version,
+        on_begin=lambda v: events.append(f"begin {v}"),
+        on_rollback=lambda v: events.append(f"rollback {v}"),
+    )
     before = digests(tensors)
-    payload = _payloads(trainer)[0]
+    first, second = _payloads(trainer)[:2]
     with pytest.raises(error):
-        receiver.apply(memoryview(payload.to_bytes()), {**_meta(payload), **metadata})
+        receiver.apply(memoryview(first.to_bytes()), {**_meta(first), **metadata})
     assert digests(tensors) == before and receiver.status().open is None
+    assert events == (["begin 4", "rollback 4"] if begun else [])
+    if begun:
+        with pytest.raises(StaleTransferError, match="ended"):
+            receiver.apply(memoryview(second.to_bytes()), _meta(second))
+        assert digests(tensors) == before and len(events) == 2
+
+
+def test_a_transfer_whose_payload_was_abandoned_still_ends_for_its_engine(
+    trainer: Trainer,
+) -> None:
+    """A relay that gives up a payload half-fed (its transfer aborted while the receiver was
+    held, as by an engine frozen in on_refit_begin) undoes it and tells the engine; a late
+    payload of the ended transfer is refused untouched; a transfer that kept a payload ends
+    at its rollback, which tells the engine too."""
+    events: list[str] = []
+    receiver, tensors = _receiver(
+        on_begin=lambda v: events.append(f"begin {v}"),
+        on_rollback=lambda v: events.append(f"rollback {v}"),
+    )
+    before = digests(tensors)
+    first, second = _payloads(trainer)[:2]
+    sink = receiver.open_payload(_meta(first))
+    body = first.to_bytes()
+    sink.feed(memoryview(body)[: len(body) // 2 + 1])
+    assert events == ["begin 4"] and receiver.status().began == 4
+    sink.abandon()
+    assert digests(tensors) == before and events == ["begin 4", "rollback 4"]
+    assert receiver.status().open is None and not receiver.rollback(T1).aborted
+    with pytest.raises(StaleTransferError, match="ended"):
+        receiver.apply(memoryview(second.to_bytes()), _meta(second))
+    assert digests(tensors) == before and events == ["begin 4", "rollback 4"]
+    status = receiver.status()
+    assert (status.version, status.began, status.open) == (3, 4, None)
+
+    receiver.apply(memoryview(first.to_bytes()), _meta(first, transfer=T2))
+    held = receiver.open_payload(_meta(second, transfer=T2))
+    held.feed(memoryview(second.to_bytes())[:10])
+    held.abandon()
+    assert events[-1] == "begin 4", "a payload kept: the transfer stays open until its end"
+    assert receiver.rollback(T2).restored and events[-1] == "rollback 4"
+    assert digests(tensors) == before
 
 
 def test_one_transfer_at_a_time_and_versions_only_advance(trainer: Trainer) -> None:

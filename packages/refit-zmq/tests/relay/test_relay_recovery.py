@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, State, digests, make_state, step_state
 
-from refit_core import EngineState, Recovery, RefitError, RefitTimeoutError
+from refit_core import ChecksumMismatchError, EngineState, Recovery, RefitError, RefitTimeoutError
 from refit_core.sources import StateDictSource
-from refit_lab.zmq_faults import PartitioningRelayProxy
+from refit_lab.zmq_faults import CorruptingRelayProxy, PartitioningRelayProxy
 from refit_zmq.relay import RelayCoordinator, RelayStatus
 from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer, shard_producers
 
@@ -103,7 +103,7 @@ def test_a_partition_from_the_second_data_message_is_closed_by_the_relay_and_the
         assert _closed_and_holding(fleet.addresses[2], old)
 
         sync.reconcile_communicator(())
-        assert sync.sync_weights().version == 2
+        assert sync.sync_weights().version == 3, "version 2 began and failed: never reused"
         held = _held(fleet.addresses)
         assert all(
             isinstance(s, RelayStatus) and s.digests == digests(weights.state)
@@ -112,7 +112,7 @@ def test_a_partition_from_the_second_data_message_is_closed_by_the_relay_and_the
 
         weights.step()
         with _synchronizer(weights, relays) as successor:  # a new controller, same relays
-            assert successor.sync_weights(version=3).version == 3
+            assert successor.sync_weights().version == 4, "above what the relays hold"
     finally:
         sync.shutdown()
         proxy.close()
@@ -161,3 +161,36 @@ def test_reconcile_and_retry_many_times_never_declares_a_live_relay_dead(
         )
     finally:
         sync.shutdown()
+
+
+def test_a_corrupted_payload_names_the_relay_that_refused_it(fleet: RelayFleet) -> None:
+    """One byte flipped on its way to relay 0 (the producer's root): relay 0 refuses the
+    payload (CHECKSUM), the transfer aborts everywhere, every relay serves its old bits, and
+    the error says which shard refused it (``failed_shards``); a retry as is succeeds."""
+    proxy = CorruptingRelayProxy(fleet.addresses[0])
+    relays = [proxy.address, *fleet.addresses[1:]]
+    weights = _Weights(make_state(7))
+    sync = _synchronizer(weights, relays)
+    try:
+        sync.sync_weights()
+        old = digests(weights.state)
+        weights.step()
+        proxy.arm()
+        with pytest.raises(ChecksumMismatchError) as failed:
+            sync.sync_weights()
+        error = failed.value
+        assert proxy.corrupted == 1
+        assert error.recovery is Recovery.RETRY and error.failed_shards == (0,)
+        assert [(e.shard, e.state) for e in error.engines] == [
+            (0, EngineState.OLD),
+            (1, EngineState.OLD),
+            (2, EngineState.OLD),
+        ]
+        assert "CHECKSUM" in (error.engines[0].reason or "")
+        assert all(
+            isinstance(s, RelayStatus) and s.digests == old for s in _held(fleet.addresses).values()
+        )
+        assert sync.sync_weights().ok, "retried as the hint says"
+    finally:
+        sync.shutdown()
+        proxy.close()

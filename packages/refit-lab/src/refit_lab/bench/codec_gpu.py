@@ -15,7 +15,10 @@ round, interleaved on the same tensors:
 - ``torch_ne_nonzero``: torch's own ``ne`` and ``nonzero`` per tensor, the gather of the new
   values and both copied to the host (the straightforward GPU delta, without coding);
 - ``refit_host``: the tracker's host path (owned spans copied to pinned host memory, then the
-  compiled host kernel and the same coding).
+  compiled host kernel and the same coding);
+- ``refit_gpu_apply``: the receiver's side: ``refit_gpu``'s payloads applied in place to a copy
+  of the old state on the GPU (the copy is restored from the old state before each round,
+  outside the timing).
 
 Ratios are medians of per-round ratios; each reference's median rate is recorded beside its
 ratio. The GPU encoders' payloads must equal the host path's byte for byte, and applying them
@@ -118,6 +121,24 @@ class _Encoder:
         self.tracker.abort()
 
 
+class _Applier:
+    """The receiver's apply of an encoder's latest payloads onto a copy of the old state."""
+
+    def __init__(self, old: State, encoder: _Encoder) -> None:
+        self._old = old
+        self._encoder = encoder
+        self.receiver = {name: t.clone() for name, t in old.items()}
+
+    def restore(self) -> None:
+        """Put the old state back into the receiver (untimed, before each apply)."""
+        for name, tensor in self.receiver.items():
+            tensor.copy_(self._old[name])
+
+    def __call__(self) -> None:
+        for payload in self._encoder.payloads:
+            apply_payload(payload.frames, self.receiver, WeightVersion(0))
+
+
 def _bitexact(old: State, new: State, payloads: list[DeltaPayload]) -> bool:
     receiver = {name: t.clone() for name, t in old.items()}
     for payload in payloads:
@@ -150,15 +171,18 @@ def measure_gpu(
     encoders = {
         name: _Encoder(old, new, ctx.threads, **config) for name, config in ENCODERS.items()
     }
+    applier = _Applier(old, encoders["refit_gpu"])
     cases: dict[str, Callable[[], object]] = {
         "d2d_copy": copy.seconds,
         **encoders,
+        "refit_gpu_apply": applier,
         "refit_gpu_diff": lambda: _refit_gpu_diff(old, new),
         "torch_ne_nonzero": lambda: _torch_ne_nonzero(old, new),
     }
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for round_index in range(repeats + 1):
         ctx.progress(f"round {round_index} of {repeats}", 0.3 + 0.6 * round_index / (repeats + 1))
+        applier.restore()
         for name, case in cases.items():
             elapsed = _timed(case, device)
             if round_index:
@@ -169,7 +193,12 @@ def measure_gpu(
         [p.to_bytes() for p in encoders[name].payloads] == reference
         for name in ("refit_gpu", "refit_gpu_pinned")
     )
-    exact = same and _bitexact(old, new, encoders["refit_gpu"].payloads)
+    exact = (
+        same
+        and _bitexact(old, new, encoders["refit_gpu"].payloads)
+        and same_bits(applier.receiver, new)
+    )
+    del applier
     to_host = encoders["refit_gpu"].tracker.traffic.to_host_bytes
     for encoder in encoders.values():
         encoder.tracker.close()
@@ -199,7 +228,9 @@ def measure_gpu(
         ),
         **paired("refit_gpu", "refit_host").summary("gpu_encode_speedup_vs_host_path"),
         **paired("refit_gpu_pinned", "d2d_copy").summary("pinned_encode_fraction_of_d2d_copy"),
+        **paired("refit_gpu_apply", "d2d_copy").summary("gpu_apply_fraction_of_d2d_copy"),
         "gpu_encode_gbps": paired("refit_gpu", "d2d_copy").subject_gbps,
+        "gpu_apply_gbps": paired("refit_gpu_apply", "d2d_copy").subject_gbps,
         "to_host_fraction": to_host / dense,
         "changed_fraction": changed / (dense // 2),
         "state_bytes": dense,

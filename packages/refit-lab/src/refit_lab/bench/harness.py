@@ -49,9 +49,11 @@ BENCHES: dict[str, str] = {
     "inflight": "refit_lab.bench.inflight:run",
     "inflight_vllm": "refit_lab.bench.inflight_vllm:run",
     "ipc": "refit_lab.bench.ipc:run",
+    "lora": "refit_lab.bench.lora:run",
     "codec": "refit_lab.bench.codec:run",
     "megatron": "refit_lab.bench.megatron:run",
     "relay": "refit_lab.bench.relay:run",
+    "scale": "refit_lab.bench.scale:run",
     "sglang": "refit_lab.bench.sglang:run",
     "vllm": "refit_lab.bench.vllm:run",
 }

@@ -45,18 +45,18 @@ import shutil
 import statistics
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from refit_core import NamedTensor, StateDictInfo
 from refit_core.sources import StateDictSource
 from refit_lab.bench.harness import BenchContext, BenchReport, BenchUnavailableError, machine_info
 from refit_lab.bench.runtime import ChildGroup, Deadline
 from refit_lab.bench.vllm_inplace import measure_in_place
+from refit_lab.failing_source import FailingSource
 from refit_lab.trainer import SimulatedTrainer
 from refit_lab.vllm_outputs import Outputs, greedy_outputs
 
@@ -108,22 +108,7 @@ class _Policy:
 
     def weight_source(self) -> Any:
         source = StateDictSource(self._states[self.state])
-        return source if self.fail_after is None else _Failing(source, self.fail_after)
-
-
-class _Failing:
-    def __init__(self, source: StateDictSource, after: int) -> None:
-        self._source = source
-        self._after = after
-
-    def state_dict_info(self) -> StateDictInfo:
-        return self._source.state_dict_info()
-
-    def iter_tensors(self) -> Iterator[NamedTensor]:
-        for index, named in enumerate(self._source.iter_tensors()):
-            if index == self._after:
-                raise RuntimeError("the trainer failed mid-transfer (bench fault)")
-            yield named
+        return source if self.fail_after is None else FailingSource(source, self.fail_after)
 
 
 def _changed(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:

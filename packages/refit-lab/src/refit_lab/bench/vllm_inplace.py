@@ -75,11 +75,11 @@ def measure_in_place(paths: Mapping[str, str], rounds: int, threads: int) -> dic
 
     from refit_core import TensorSpec, WeightVersion
     from refit_core.backend import checkpoint_specs
+    from refit_core.vllm.write_map import capture_write_map
     from refit_lab.ray_cluster import free_port
     from refit_zmq.tracker import DeltaCompressionTracker
     from refit_zmq.vllm.delta_receiver import StagedDeltas
     from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
-    from refit_zmq.vllm.write_map import capture_write_map
 
     torch.set_num_threads(threads)
     config = _config(paths["S0"])

@@ -99,6 +99,14 @@ class _BenchMethods:
         value = getattr(worker.weight_transfer_engine, "last_apply_s", None)
         return None if value is None else float(value)
 
+    def refit_bench_check_s(self) -> float | None:
+        """How long the runtime check of refit's last load took (its digests of the received
+        tensors while they arrived, and the check once loaded)."""
+        worker: Any = self
+        loading = getattr(worker.weight_transfer_engine, "loading", None)
+        value = None if loading is None else loading.last_check_s
+        return None if value is None else float(value)
+
     def refit_bench_memory(self, reset_peak: bool) -> dict[str, int]:
         """This worker's resident memory now and its peak (``VmRSS``, ``VmHWM``); with
         ``reset_peak`` the peak restarts from now (``/proc/self/clear_refs``)."""

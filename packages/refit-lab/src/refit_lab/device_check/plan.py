@@ -71,7 +71,7 @@ GPU_TESTS = (
     "python3 -m pytest -m gpu --require-gpu -p no:cacheprovider -q -rs "
     "--junitxml=<tmp>/gpu-tests.xml <every test file that marks a test gpu>"
 )
-CODEC_BENCH_ARGS = "--device cuda --size-gb 8"
+CODEC_BENCH_ARGS = f"--device cuda --bytes {8 << 30}"
 """``refit bench codec``'s arguments unless ``CODEC_BENCH_ARGS`` in the environment says
 otherwise (the GPU encoder's bench options: ``--device``, and a size of at least 8 GiB)."""
 

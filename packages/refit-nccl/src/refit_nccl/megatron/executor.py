@@ -19,7 +19,7 @@ import torch
 
 from refit_core import RefitTimeoutError
 from refit_core.backend import Deadline
-from refit_nccl.group import AbortableProcessGroup
+from refit_nccl.group.abortable import AbortableProcessGroup
 from refit_nccl.megatron.plan import Copy, ReshardPlan
 
 __all__ = ["ReshardStats", "execute_reshard"]

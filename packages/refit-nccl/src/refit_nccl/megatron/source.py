@@ -41,7 +41,7 @@ from refit_core.backend import (
     plan_info,
 )
 from refit_core.sources import Bucket, CollectiveOrderGuard, NameMap
-from refit_nccl.group import AbortableProcessGroup
+from refit_nccl.group.abortable import AbortableProcessGroup
 from refit_nccl.megatron.executor import execute_reshard
 from refit_nccl.megatron.gpt import GPTConfig, Parallelism, gpt_layouts
 from refit_nccl.megatron.hf import hf_name_map, to_checkpoint_layout

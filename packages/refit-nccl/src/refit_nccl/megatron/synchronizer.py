@@ -18,9 +18,10 @@ import torch
 
 from refit_core import RefitResult, WeightSynchronizer
 from refit_core.backend import Deadline
-from refit_nccl.backends import Backend
-from refit_nccl.devices import DeviceType
-from refit_nccl.group import AbortableProcessGroup, GroupSpec
+from refit_nccl.group.abortable import AbortableProcessGroup
+from refit_nccl.group.devices import DeviceType
+from refit_nccl.group.spec import GroupSpec
+from refit_nccl.group.traits import Backend
 from refit_nccl.megatron.executor import execute_reshard
 from refit_nccl.megatron.plan import ReshardPlan
 

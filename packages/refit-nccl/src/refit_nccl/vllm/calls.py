@@ -15,7 +15,7 @@ from typing import Any
 
 from refit_core import BackendNotInstalledError, ProtocolError, Recovery, RefitError, WorkerError
 from refit_core.backend import refit_error_type, role_methods
-from refit_nccl.roles import CollectiveStagingRole
+from refit_nccl.roles.contract import CollectiveStagingRole
 
 __all__ = [
     "ENDPOINT_METHODS",

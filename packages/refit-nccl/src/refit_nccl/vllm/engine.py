@@ -3,12 +3,13 @@
 Registered with ``WeightTransferEngineFactory`` under :data:`~refit_nccl.vllm.BACKEND` by the
 ``vllm.general_plugins`` entry point of refit-nccl, so an engine started with
 ``weight_transfer_config={"backend": "refit_nccl"}`` builds one in each worker (every tensor
-parallel rank). It holds an :class:`~refit_nccl.endpoint.EngineEndpoint` whose engine is the
+parallel rank). It holds an :class:`~refit_nccl.roles.engine.EngineEndpoint` whose engine is the
 worker's model. Each rank joins the refit group as a rank of its own and receives every
 checkpoint tensor whole; vLLM's loader keeps the rank's slice.
 
 Buckets reach the model through :class:`~refit_core.vllm.loading.CheckpointLoading`: staged
-(default) in host memory and loaded at the commit, so a transfer that fails leaves the model
+(default) in host memory (on a host group every bucket is received straight into the one host
+copy, laid out by the plan) and loaded at the commit, so a transfer that fails leaves the model
 untouched, or streamed into vLLM's layerwise reload as they arrive, so a transfer that fails
 after its first bucket leaves the model partial (the controller keeps such an engine closed).
 Every call that writes the model runs inside vLLM's own update session
@@ -34,10 +35,11 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
 from refit_core.backend import CollectiveSenderSpec, checkpoint_specs, dtype_name, in_thread
-from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
-from refit_nccl.broadcast import TransferStats
-from refit_nccl.endpoint import EngineEndpoint, EngineStatus
-from refit_nccl.geometry import DEFAULT_GEOMETRY
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
+from refit_nccl.roles.contract import WorkerRefitStatus
+from refit_nccl.roles.engine import EngineEndpoint
+from refit_nccl.transfer.geometry import DEFAULT_GEOMETRY
+from refit_nccl.transfer.stats import TransferStats
 
 __all__ = ["CollectiveInitInfo", "CollectiveUpdateInfo", "VllmCollectiveReceiver"]
 
@@ -65,14 +67,15 @@ class CollectiveUpdateInfo:
 
 
 class _WorkerModel:
-    """The worker's model as a :class:`~refit_nccl.endpoint.CollectiveEngine`."""
+    """The worker's model as a :class:`~refit_nccl.roles.engine.CollectiveEngine`."""
 
     def __init__(self, receiver: VllmCollectiveReceiver) -> None:
         self._receiver = receiver
         self.weight_version = 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        self._receiver.loading.take(weights)
+        receiver = self._receiver
+        receiver.loading.take(weights, copy=not receiver.endpoint.receives_in_place)
         return None
 
     def reset_prefix_cache(self) -> None:
@@ -111,15 +114,29 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         self._staging_lock = threading.Lock()
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
-        """Declare a packing geometry and the staging mode (leaves any current group)."""
+        """Declare a packing geometry and the staging mode (leaves any current group); the
+        first call also builds the runtime check of the model.
+
+        Raises:
+            RefitError: refit cannot keep this model exact (the parameter named).
+        """
         geometry = CollectiveSenderSpec("refit", init_info.buffer_size_bytes, init_info.num_buffers)
         self.drop_staged()  # a staging still running is aborted on the endpoint it uses
         self.endpoint.refit_abort("geometry changed")
+        held = self.endpoint.refit_status()  # the versions outlive the endpoint
         # vLLM's model is written through its layerwise reload (``self.loading``), which the
         # endpoint's own refit_stage does not drive: this receiver stages itself (``stage``).
-        self.endpoint = EngineEndpoint(lambda: _WorkerModel(self), geometry, can_stage=False)
+        self.endpoint = EngineEndpoint(
+            lambda: _WorkerModel(self),
+            geometry,
+            can_stage=False,
+            versions=(held.committed_version, held.began_version),
+            keeps_received=init_info.staged,
+        )
         self.loading.abandon()
         self.loading.staged = init_info.staged
+        if self.loading.check is None:
+            self.loading.check = runtime_check(self)
         logger.info("refit-nccl receiver: geometry %s, staged %s", geometry, init_info.staged)
 
     def start_weight_update(self) -> None:
@@ -221,7 +238,7 @@ class VllmCollectiveReceiver(LoadingReceiver, WeightTransferEngine):  # type: ig
         else:
             self.loading.abandon()
 
-    def status(self) -> EngineStatus:
+    def status(self) -> WorkerRefitStatus:
         """The endpoint's state, closed only if the model holds weights of no served version
         (a staged transfer never writes it), with this receiver's staging (it stages when
         staged)."""

@@ -39,8 +39,12 @@ from refit_core.backend import (
     with_engines,
 )
 from refit_core.vllm import VllmClient, VllmGate, vllm_client
-from refit_nccl.endpoint import CommitStats
-from refit_nccl.roles import CollectiveEngineRole, CollectiveStagingRole, JoinRequest
+from refit_nccl.roles.contract import (
+    CollectiveEngineRole,
+    CollectiveStagingRole,
+    CommitStats,
+    JoinRequest,
+)
 from refit_nccl.vllm.calls import decode_reply, encode_call, reply_partial, reply_pending
 
 __all__ = ["STAGING_POLL_S", "VllmCollectiveGeneration", "VllmWorkerParticipant"]
@@ -250,7 +254,7 @@ class VllmWorkerParticipant(Participant[CollectiveEngineRole]):
 
 
 class VllmCollectiveGeneration:
-    """vLLM engines as a :class:`~refit_nccl.builder.CollectiveGeneration`: shard ``i`` is
+    """vLLM engines as a :class:`~refit_nccl.controller.builder.CollectiveGeneration`: shard ``i`` is
     ``engines[i]``, one participant per worker (tensor-parallel rank), each receiving every
     checkpoint tensor whole (vLLM's loader keeps the rank's slice).
 

@@ -17,8 +17,7 @@ from typing import Any
 
 from refit_core import RefitError
 from refit_core.backend import method_name
-from refit_nccl.endpoint import CommitStats
-from refit_nccl.roles import CollectiveEngineRole, CollectiveStagingRole
+from refit_nccl.roles.contract import CollectiveEngineRole, CollectiveStagingRole, CommitStats
 from refit_nccl.vllm.calls import decode_call, encode_reply
 
 __all__ = ["CollectiveWorkerExtension"]

@@ -6,7 +6,7 @@ weight-sync surface (the four methods of vLLM's ``VLLMWeightSyncClient``:
 ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``). vLLM's own clients fit (``HTTPVLLMWeightSyncClient`` for a server,
 ``RayVLLMWeightSyncClient`` for engine actors); :class:`LLMWeightSyncClient` adapts an
-in-process ``vllm.LLM``. The trainer is :class:`~refit_nccl.vllm_peer.VllmPeerTrainer`, which
+in-process ``vllm.LLM``. The trainer is :class:`~refit_nccl.vllm_native.trainer.VllmPeerTrainer`, which
 hosts the group with vLLM's rendezvous and vLLM's ``PyNcclCommunicator``.
 
 Each engine rank is one participant (ranks ``rank_offset .. rank_offset + engine_world_size``;
@@ -25,12 +25,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from refit_core import GeometryMismatchError
 from refit_core.backend import CollectiveSenderSpec, LocalParticipant, Participant, PolicyLike
-from refit_nccl.devices import DeviceReport
-from refit_nccl.driven import DrivenRankEndpoint, DrivenRankParticipant
-from refit_nccl.geometry import VLLM_DOCUMENTED_GEOMETRY, require_vllm_defaults
-from refit_nccl.roles import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest
+from refit_nccl.group.devices import DeviceReport
+from refit_nccl.peers.driven import DrivenRankEndpoint, DrivenRankParticipant
+from refit_nccl.roles.contract import CollectiveEngineRole, CollectiveTrainerRole, JoinRequest
+from refit_nccl.transfer.geometry import VLLM_DOCUMENTED_GEOMETRY, require_vllm_defaults
 from refit_nccl.vllm_native.payloads import nccl_init_info, nccl_update_info
-from refit_nccl.vllm_peer import VllmPeerTrainer
+from refit_nccl.vllm_native.trainer import VllmPeerTrainer
 
 __all__ = [
     "LLMWeightSyncClient",

@@ -19,11 +19,15 @@ aligned 64-bit words the caller passes element-sized words (``per`` = 1).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-__all__ = ["diff_range"]
+from refit_zmq.codec.dtypes import unsigned_numpy_dtype
+
+__all__ = ["diff_range", "prepare_kernel"]
 
 _BLOCK_WORDS = 2048
 """Words per block: 16 KiB of baseline and 16 KiB of new bits, both in L1 for the last pass."""
@@ -102,3 +106,13 @@ def diff_range(
     per = base.itemsize // element.itemsize
     indices, values = _collect(base, new, base.view(element), new.view(element), start * per)
     return indices, values
+
+
+def prepare_kernel(itemsizes: Iterable[int]) -> None:
+    """Compile the kernel (or load it from numba's on-disk cache) for elements of each of
+    ``itemsizes`` bytes read as 64-bit words, as the first compare would: 0.5 s from the cache,
+    3-4 s to compile (a cache written by another numba version is recompiled), which a
+    tracker pays when it is built rather than in its first delta."""
+    words = np.zeros(1, np.uint64)
+    for itemsize in sorted(set(itemsizes)):
+        diff_range(words, words, element=unsigned_numpy_dtype(itemsize), start=0)

@@ -88,13 +88,20 @@ class IpcReceiver:
         bind_address: the REP socket's address (default loopback, an ephemeral port; an
             ``ipc://`` path also works, both ends being on one host).
         version: the engine's current weight version; refits must go above it.
+        began: the highest version a refit ever began on the engine (default: ``version``).
     """
 
     def __init__(
-        self, engine: IpcEngine, *, bind_address: str = "tcp://127.0.0.1:*", version: int = 0
+        self,
+        engine: IpcEngine,
+        *,
+        bind_address: str = "tcp://127.0.0.1:*",
+        version: int = 0,
+        began: int | None = None,
     ) -> None:
         self._engine = engine
         self._version = version
+        self._began = max(version, began or 0)
         self._partial = False
         self._session: str | None = None
         self._buffers: list[torch.Tensor] = []
@@ -117,6 +124,11 @@ class IpcReceiver:
     def version(self) -> int:
         """The last weight version this receiver committed (or the initial one)."""
         return self._version
+
+    @property
+    def began(self) -> int:
+        """The highest version a refit ever began here (committed or not)."""
+        return self._began
 
     @property
     def partial(self) -> bool:
@@ -262,6 +274,7 @@ class IpcReceiver:
             self._buffers = [attach(handle_from_json(h)) for h in handles]
             self._session = session
         self._transaction = RefitTransaction(version, manifest)
+        self._began = max(self._began, version)
         return {}
 
     def _bucket(self, message: Mapping[str, Any]) -> dict[str, Any]:

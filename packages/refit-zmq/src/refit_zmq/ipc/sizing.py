@@ -3,8 +3,9 @@
 With ``refit_buffer_size_gb`` unset, each of the two buffers gets
 :data:`FREE_MEMORY_RATIO` of the memory free where it lives (the GPU's free memory from
 ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of ``/proc/meminfo`` on CPU), capped at
-:data:`MAX_DEFAULT_BUFFER_BYTES` (vLLM's packed transfer also uses 1 GiB x 2) and never under
-:data:`MIN_BUFFER_BYTES`; so the pair takes at most 10 % of the free memory.
+:data:`MAX_DEFAULT_BUFFER_BYTES` on a GPU (vLLM's packed transfer also uses 1 GiB x 2) and
+:data:`MAX_DEFAULT_HOST_BUFFER_BYTES` on CPU, never under :data:`MIN_BUFFER_BYTES`; so the
+pair takes at most 10 % of the free memory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "ALIGN_BYTES",
     "FREE_MEMORY_RATIO",
     "MAX_DEFAULT_BUFFER_BYTES",
+    "MAX_DEFAULT_HOST_BUFFER_BYTES",
     "MIN_BUFFER_BYTES",
     "align_up",
     "default_buffer_bytes",
@@ -32,6 +34,11 @@ FREE_MEMORY_RATIO = 0.05
 """Share of the free memory each of the two buffers takes by default."""
 
 MAX_DEFAULT_BUFFER_BYTES = 1 << 30
+MAX_DEFAULT_HOST_BUFFER_BYTES = 64 << 20
+"""On CPU the buffers are shared memory that the trainer and every worker keep mapped (each
+process's resident memory counts the pages it touched: two 1 GiB buffers cost a 1 GB model's
+worker its size again beside its staged copy), and copies gain nothing from buckets past a few
+MiB."""
 MIN_BUFFER_BYTES = 1 << 20
 
 
@@ -55,7 +62,8 @@ def free_memory_bytes(device: torch.device) -> int:
 def default_buffer_bytes(device: torch.device) -> int:
     """The size of one ping-pong buffer when none is configured (see the module docstring)."""
     share = int(free_memory_bytes(device) * FREE_MEMORY_RATIO)
-    size = max(MIN_BUFFER_BYTES, min(MAX_DEFAULT_BUFFER_BYTES, share))
+    cap = MAX_DEFAULT_BUFFER_BYTES if device.type == "cuda" else MAX_DEFAULT_HOST_BUFFER_BYTES
+    size = max(MIN_BUFFER_BYTES, min(cap, share))
     size -= size % ALIGN_BYTES
     logger.debug("default IPC buffer on %s: %d bytes", device, size)
     return size

@@ -13,13 +13,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from refit_core import (
     EngineReport,
+    FleetStatus,
     RefitAbortedError,
     RefitError,
     RefitResult,
@@ -34,7 +35,7 @@ from refit_zmq.ipc.packing import Bucket, BufferPool, Packer
 from refit_zmq.ipc.protocol import PROTOCOL, Op, manifest_to_json, slot_bytes
 from refit_zmq.ipc.sizing import ALIGN_BYTES, default_buffer_bytes
 
-__all__ = ["IpcOptions", "IpcWeightSynchronizer", "RefitSessions"]
+__all__ = ["FleetReporter", "IpcOptions", "IpcWeightSynchronizer", "RefitSessions"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ class RefitSessions(Protocol):
         """Close every session; after a commit the engines serve ``version``. After a failure
         it may raise a :class:`~refit_core.errors.RefitError` whose ``engines`` say what each
         engine serves now (added to the refit's own error)."""
+        ...
+
+
+@runtime_checkable
+class FleetReporter(Protocol):
+    """Workers whose controller-side object can say what each serves (vLLM's engines: their
+    receivers' versions), so that a new synchronizer adopts them."""
+
+    def fleet_status(self) -> FleetStatus:
+        """Every worker, in the synchronizer's shard order."""
         ...
 
 
@@ -159,8 +170,14 @@ class IpcWeightSynchronizer(WeightSynchronizer):
                 raise
             failed = RefitError(f"refit to version {version} failed: {type(exc).__name__}: {exc}")
             raise with_engines(failed, reports) from exc
-        sessions.refit_finished(version, committed=True)
-        return result
+        loading = time.monotonic()
+        sessions.refit_finished(version, committed=True)  # the engines load the refit
+        done = time.monotonic()
+        return replace(
+            result,
+            timings_s={**result.timings_s, "load": done - loading},
+            total_s=result.total_s + done - loading,
+        )
 
     def _transfer(self, version: int, deadline: Deadline) -> RefitResult:
         links, pool = self._links, self._pool
@@ -252,6 +269,12 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         except RefitTimeoutError:
             self._stale = True
             raise
+
+    def fleet_status(self, deadline: Deadline) -> FleetStatus:
+        """What the workers serve, where their sessions object can say (``FleetReporter``)."""
+        if not isinstance(self._sessions, FleetReporter):
+            raise NotImplementedError(f"{type(self).__name__} cannot ask these workers")
+        return self._sessions.fleet_status()
 
     def _is_stale(self) -> bool:
         return self._stale

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from refit_core import (
+    DeadlineTooShortError,
     EngineHealth,
     EngineReport,
     EngineState,
@@ -32,7 +33,7 @@ from refit_core import (
     WorkerError,
     WorkerOutcome,
 )
-from refit_core.backend import Deadline, Participant, check_field_types, gather
+from refit_core.backend import Deadline, Participant, check_field_types, gather, probe_timeout_s
 from refit_zmq.relay import (
     CurveConfig,
     PreparedTransfer,
@@ -76,6 +77,12 @@ class ZmqSparseOptions:
             ``min(call_timeout_s, refit_timeout_s / (2 * (tuning.retries + 1)))`` per
             attempt, so that all attempts of the probe take at most half the deadline; a
             relay that does not answer the probe is reported unreachable (``unknown``).
+        probe_timeout_s: how long ``status()`` and ``recover()`` wait for each relay's STATUS
+            answer (every relay asked at once, once; one that does not answer in time is
+            ``unreachable``, and its next probe starts on a fresh connection). None derives
+            it from the deadline: a tenth of ``refit_timeout_s``, within [1 s, 2 s]
+            (2 s without a deadline). A value above a quarter of ``refit_timeout_s`` is
+            refused when the synchronizer is built.
         verification_candidates: entries each receiver re-reads per payload (0: none).
         verify_digests: also compare every receiver's digests with the trainer's before
             committing (one more pass over the weights on each side).
@@ -87,6 +94,7 @@ class ZmqSparseOptions:
     shard_count: int = 1
     bucket_size_bytes: int = 64 * _MiB
     call_timeout_s: float = 30.0
+    probe_timeout_s: float | None = None
     verification_candidates: int = 64
     verify_digests: bool = False
     tuning: RelayTuning = field(default_factory=RelayTuning)
@@ -94,6 +102,19 @@ class ZmqSparseOptions:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
+        probe_timeout_s(self.probe_timeout_s, None, name="probe_timeout_s")
+
+    def probe_s(self, refit_timeout_s: float | None) -> float:
+        """The timeout of the STATUS probe of ``status()`` and ``recover()`` under a refit
+        deadline of ``refit_timeout_s``.
+
+        Raises:
+            ValueError: ``probe_timeout_s`` is above a quarter of the deadline (a fleet
+                with a frozen relay could then not be asked and recovered within it).
+        """
+        return probe_timeout_s(self.probe_timeout_s, refit_timeout_s, name="probe_timeout_s")
 
     @classmethod
     def from_env(cls, *, bucket_size_bytes: int | None = None) -> ZmqSparseOptions:
@@ -155,6 +176,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         self._relays = relays
         self._on_commit = on_commit
         self._options = options or ZmqSparseOptions()
+        self._probe_s = self._options.probe_s(refit_timeout_s)
         self._coordinator: RelayCoordinator | None = None
         self._shards: dict[str, int] = {}
         self._stale = False
@@ -246,21 +268,43 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """One reply's timeout (the STATUS probe's among them), see :func:`attempt_timeout_s`."""
         return attempt_timeout_s(self._options, deadline.remaining_s())
 
-    def _status_timeout(self, deadline: Deadline) -> float:
-        """One STATUS reply's timeout when the fleet is asked (``status()``, ``recover()``):
-        ``call_timeout_s``, within an equal share of what the deadline leaves per attempt. A
-        link that lost its relay (dead, or frozen past the heartbeat timeout) reconnects only
-        after up to ``RelayTuning.reconnect_max_s``; the refit's own probe, which must leave
-        the deadline's other half to the transfer, may not wait that long."""
-        attempts = self._options.tuning.retries + 1
-        left = deadline.remaining_s()
-        call = self._options.call_timeout_s
-        return call if left is None else max(0.05, min(call, left / attempts))
-
     def _sync_weights(self, version: int, deadline: Deadline) -> RefitResult:
         started = time.monotonic()
-        prepared, resync = self._prepare(version, deadline)
+        try:
+            prepared, resync = self._prepare(version, deadline)
+        except RefitTimeoutError as error:
+            too_short = self._too_short(f"refit to version {version}", error, started, deadline)
+            if too_short is None:
+                raise
+            raise too_short from error
         return self._commit(prepared, version, deadline, started=started, resync=resync)
+
+    def _too_short(
+        self, what: str, error: RefitTimeoutError, started: float, deadline: Deadline
+    ) -> DeadlineTooShortError | None:
+        """The error to raise instead of ``error`` when the deadline passed although nothing
+        failed: every relay of the tree confirmed the abort (none is ``unknown``) and every
+        producer answered (one still encoding at the deadline must answer a ping now), so
+        the transfer needs more time than the deadline gives it. None otherwise."""
+        if self.refit_timeout_s is None or not deadline.expired():
+            return None
+        if not error.engines or any(e.state is EngineState.UNKNOWN for e in error.engines):
+            return None
+        late = [p for p in self._producers if p.label in error.wedged_workers]
+        if (
+            late
+            and not gather(
+                {p: p.call(ShardProducerRole.refit_version) for p in late}, self._probe_s
+            ).ok
+        ):
+            return None
+        return DeadlineTooShortError.measured(
+            what,
+            deadline_s=self.refit_timeout_s,
+            elapsed_s=time.monotonic() - started,
+            progress=error.progress,
+            engines=error.engines,
+        )
 
     def _stage_weights(self, version: int, deadline: Deadline) -> StagedRefit:
         """Phase one on every relay: streamed, verified and prepared beside what each engine
@@ -453,9 +497,9 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """Every relay's engine, left-out relays included: serving its committed version,
         closed while a transfer holds part of its bytes, or unreachable."""
         relays = list(self._relays())
-        coordinator = self._control(deadline)
-        coordinator.timeout_s = self._status_timeout(deadline)
-        statuses = coordinator.status(relays=relays, deadline=deadline)
+        statuses = self._control(deadline).status(
+            relays=relays, deadline=deadline, probe_s=self._probe_s
+        )
         return FleetStatus(
             tuple(_engine_status(shard, a, statuses.get(a)) for shard, a in enumerate(relays))
         )
@@ -504,5 +548,8 @@ def _engine_status(
             EngineHealth.CLOSED,
             staged_version=status.open.target,
             detail=f"transfer {status.open.transfer_id} holds part of its bytes",
+            began_version=status.began,
         )
-    return EngineStatus(shard, address, EngineHealth.SERVING, status.version or 0)
+    return EngineStatus(
+        shard, address, EngineHealth.SERVING, status.version or 0, began_version=status.began
+    )

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from refit_core import GeometryMismatchError, NamedTensor, StateDictInfo, TensorSpec, WeightVersion
+from refit_zmq.codec.diff import prepare_kernel
 from refit_zmq.codec.dtypes import int_view
 from refit_zmq.codec.format import DeltaPayload
 from refit_zmq.codec.spans import read_span
@@ -159,6 +160,8 @@ class DeltaCompressionTracker:
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="refit-delta")
         self._version: WeightVersion | None = None
         self._pending: _Pending | None = None
+        if self.config.compare_on != "device":
+            prepare_kernel(getattr(torch, self._spec[i.name].dtype).itemsize for i in self.items)
 
     @property
     def version(self) -> WeightVersion | None:

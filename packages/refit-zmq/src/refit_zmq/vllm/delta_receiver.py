@@ -78,6 +78,7 @@ class StagedDeltas:
         total = sum(t.numel() * t.element_size() for t in self._specs.values())
         self._max_staged_bytes = 4 * total if max_staged_bytes is None else max_staged_bytes
         self._version = WeightVersion(version)
+        self._began = self._version
         self._open: _Open | None = None
         self._committed_id: str | None = None
         self._pending: list[StagedWrite] = []
@@ -112,6 +113,7 @@ class StagedDeltas:
                 )
             if self._open is None:
                 self._open = _Open(transfer_id, target)
+                self._began = max(self._began, target)
             self._open.writes.extend(writes)
             self._open.payloads += 1
         return ApplyResult(len(decoded.items), decoded.nbytes, 0)
@@ -178,6 +180,7 @@ class StagedDeltas:
                 else ReceiverOpen(
                     opened.transfer_id, opened.target.value, opened.payloads, opened.nbytes
                 ),
+                began=self._began.value,
             )
 
     def take_committed(self) -> tuple[int, list[StagedWrite]]:

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refit_core import EngineReport, EngineState, WorkerError
+from refit_core import EngineReport, EngineState, RefitError, WorkerError
+from refit_core.backend import refit_error_type
 from refit_core.vllm import VllmGate, vllm_client
 
 __all__ = ["VllmEngine", "call_workers", "start_receivers"]
@@ -77,11 +78,17 @@ def call_workers(
     :class:`~refit_core.vllm.VllmClient`) through ``refit_zmq_call``; one result per worker.
 
     Raises:
-        WorkerError: naming the workers (ranks) that failed and why.
+        RefitError: the specific refit error every failed worker raised (by its type's name:
+            :class:`~refit_core.VerificationError`, ...), naming the workers (ranks) and why.
+        WorkerError: naming the workers that failed otherwise, and why.
     """
     replies = vllm_client(llm).collective_rpc("refit_zmq_call", timeout_s, (method, *args))
     failed = {rank: value for rank, (ok, value) in enumerate(replies) if not ok}
     if failed:
         reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
+        names = {str(reason).partition(":")[0] for reason in failed.values()}
+        raised = refit_error_type(names.pop()) if len(names) == 1 else None
+        if raised not in (None, RefitError, WorkerError):
+            raise raised(f"{label}: {method}: {reasons}")
         raise WorkerError(reasons, worker=label, operation=method)
     return [value for _, value in replies]

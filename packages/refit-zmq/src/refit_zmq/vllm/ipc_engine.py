@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit_core import RefitError
 from refit_core.backend import checkpoint_specs, dtype_name
-from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver
+from refit_core.vllm.loading import CheckpointLoading, LoadingReceiver, runtime_check
 from refit_zmq.ipc import IpcReceiver
 
 __all__ = ["IpcInitInfo", "IpcUpdateInfo", "VllmIpcReceiver"]
@@ -98,16 +98,34 @@ class VllmIpcReceiver(LoadingReceiver, WeightTransferEngine):  # type: ignore[mi
         """The version this session's refit committed (None: none yet)."""
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
-        """(Re)bind the control socket and set the staging mode; the version carries over."""
-        version = 0 if self.receiver is None else self.receiver.version
+        """(Re)bind the control socket and set the staging mode; the versions carry over. The
+        first call also builds the runtime check of the model.
+
+        Raises:
+            RefitError: refit cannot keep this model exact (the parameter named).
+        """
+        version, began = (0, 0) if self.receiver is None else self.versions
         self.shutdown()
         self.loading.abandon()
         self.loading.staged = init_info.staged
+        if self.loading.check is None:
+            self.loading.check = runtime_check(self)
         self.receiver = IpcReceiver(
-            _WorkerModel(self), bind_address=init_info.bind_address, version=version
+            _WorkerModel(self), bind_address=init_info.bind_address, version=version, began=began
         )
         self.address = self.receiver.address
         logger.info("ipc receiver at %s (version %d)", self.address, version)
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """The version the receiver committed last and the highest one a refit began.
+
+        Raises:
+            RefitError: the receiver was never bound.
+        """
+        if self.receiver is None:
+            raise RefitError("the IPC receiver was never bound (init_weight_transfer_engine)")
+        return self.receiver.version, self.receiver.began
 
     def start_weight_update(self) -> None:
         """Start a session: nothing received yet (loading opens vLLM's layerwise reload when the

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from refit_core import EngineReport, RefitError
+from refit_core import EngineHealth, EngineReport, EngineStatus, FleetStatus, RefitError
 from refit_core.backend import with_engines
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
@@ -85,9 +85,12 @@ class VllmIpcGeneration:
 
         Raises:
             RefitError: after a failure always, with each engine's state (``engines``); after
-                a commit, naming the engines that could not load it.
+                a commit, naming the engines that could not load it (the first engine's error
+                chained: a :class:`~refit_core.VerificationError` where its load left the
+                model other than the refit).
         """
         failures: dict[str, str] = {}
+        first: Exception | None = None
         reports: list[EngineReport] = []
         sessions, self._sessions = self._sessions, []
         for engine, session in zip(self._engines, sessions, strict=True):
@@ -101,16 +104,42 @@ class VllmIpcGeneration:
             except Exception as exc:
                 logger.warning("%s: refit %d failed here: %s", engine.label, version, exc)
                 failures[engine.label] = f"{type(exc).__name__}: {exc}"
+                first = first or exc
                 reports.append(engine.settle(str(exc)))
         if failures or not committed:
             what = f"engines failed: {failures}" if failures else "aborted"
-            raise with_engines(RefitError(f"refit {version}: {what}"), reports)
+            raise with_engines(RefitError(f"refit {version}: {what}"), reports) from first
 
     def _load(self, engine: VllmEngine, version: int) -> None:
         engine.gate.close()
         engine.rpc("update_weights", {"apply": True})
         engine.rpc("finish_weight_update")
         engine.gate.open(version)
+
+    def fleet_status(self) -> FleetStatus:
+        """Every worker as the synchronizer's shards list them (engine 0's ranks first): the
+        version its receiver committed last, the highest one a refit began on it, closed
+        while its model holds a refit that did not commit (a new controller adopts these)."""
+        statuses: list[tuple[str, EngineHealth, int | None, int | None, str | None]] = []
+        for engine in self._engines:
+            try:
+                versions = engine.rpc("versions")
+                partial = any(engine.rpc("partial"))
+            except RefitError as exc:
+                detail = f"{type(exc).__name__}: {exc}"[:200]
+                statuses += [
+                    (a, EngineHealth.UNREACHABLE, None, None, detail) for a in engine.addresses
+                ]
+                continue
+            for address, (version, began) in zip(engine.addresses, versions, strict=True):
+                if partial:
+                    statuses.append((address, EngineHealth.CLOSED, None, began, "partial model"))
+                else:
+                    statuses.append((address, EngineHealth.SERVING, version, began, None))
+        return FleetStatus.of(
+            EngineStatus(shard, address, health, version, detail=detail, began_version=began)
+            for shard, (address, health, version, began, detail) in enumerate(statuses)
+        )
 
     def close(self) -> None:
         """Stop the session threads (the engines belong to whoever started them)."""

@@ -31,12 +31,12 @@ from vllm.model_executor.model_loader import get_model_loader
 
 from refit_core import RefitError
 from refit_core.backend import checkpoint_specs, dtype_name
-from refit_core.vllm.loading import CheckpointLoading
+from refit_core.vllm.loading import CheckpointLoading, runtime_check
+from refit_core.vllm.write_map import capture_write_map
 from refit_zmq.codec import tensor_digest
 from refit_zmq.relay import CurveConfig, ZmqSparseRefitServer
 from refit_zmq.vllm.delta_receiver import StagedDeltas
 from refit_zmq.vllm.targets import CheckpointTargets, plan_targets
-from refit_zmq.vllm.write_map import WriteMap, capture_write_map
 
 __all__ = ["RelayInitInfo", "RelayUpdateInfo", "VllmRelayReceiver"]
 
@@ -112,11 +112,8 @@ class VllmRelayReceiver(WeightTransferEngine):  # type: ignore[misc]
             for name, tensor in loader.get_all_weights(config, self.model):
                 yield name, tensor.to(specs[name][1]) if name in specs else tensor
 
-        try:
-            found = capture_write_map(self.model, specs)
-        except Exception as exc:
-            logger.warning("no write map (%s): every tensor goes to the shadow", exc)
-            found = WriteMap()
+        found = capture_write_map(self.model, specs)
+        self.loading.check = runtime_check(self, found)
         plan = plan_targets(self.model, found, specs, checkpoint)
         shadow = {n: t.clone() for n, t in checkpoint() if n in plan.shadowed}
         targets = CheckpointTargets(self.model, plan, shadow)

@@ -62,16 +62,17 @@ class VllmRelayGeneration:
 
         Raises:
             RefitError: naming the engines that could not; ``engines`` says what every engine
-                serves now (the others: ``version``, state ``new``).
+                serves now (the others: ``version``, state ``new``); the first engine's error
+                chained.
         """
         reports: list[EngineReport] = []
-        failed = False
+        failed: Exception | None = None
         for engine in self._engines:
             try:
                 self._serve(engine, version)
             except Exception as exc:
                 logger.warning("%s did not take version %d: %s", engine.label, version, exc)
-                failed = True
+                failed = failed or exc
                 reports.append(engine.settle(f"{type(exc).__name__}: {exc}"))
             else:
                 reports.append(EngineReport(engine.shard, engine.label, EngineState.NEW, version))
@@ -84,7 +85,7 @@ class VllmRelayGeneration:
             )
             raise with_engines(
                 error, [r for r in reports if r.state is not EngineState.NEW]
-            ) from None
+            ) from failed
 
     @staticmethod
     def _serve(engine: VllmEngine, version: int) -> None:

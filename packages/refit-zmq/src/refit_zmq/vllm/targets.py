@@ -1,7 +1,7 @@
 """Where a vLLM worker's checkpoint tensors live, and how a delta reaches them.
 
 A checkpoint tensor is written **in place**: its elements go straight into the runtime
-parameters vLLM's loader copies them to (the :class:`~refit_zmq.vllm.write_map.WriteMap`,
+parameters vLLM's loader copies them to (the :class:`~refit_core.vllm.write_map.WriteMap`,
 verified at start), scattered with undo; or it lives in the **shadow**: a checkpoint-format
 host copy that is loaded into the model through vLLM's layerwise reload, a whole module at a
 time. The shadow holds exactly the tensors of modules whose runtime parameters are not plain
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from refit_core import RefitError
+from refit_core.vllm.write_map import Piece, WriteMap
 from refit_zmq.codec import ItemHeader, UndoEntry, UndoLog
 from refit_zmq.codec.dtypes import int_dtype, int_view
 from refit_zmq.codec.scatter import gather, read_range, scatter, write_range
-from refit_zmq.vllm.write_map import Piece, WriteMap
 
 __all__ = ["CheckpointTargets", "StagedWrite", "plan_targets"]
 
@@ -116,6 +116,7 @@ def plan_targets(
     tensor they read, go to the shadow (all of them, without a write map)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     by_param = found.params()
+    not_in_place = found.not_in_place()
     reasons: dict[str, str] = {}
     for param, written in by_param.items():
         module_name = param.rpartition(".")[0]
@@ -123,13 +124,13 @@ def plan_targets(
         expected = written[0].param_shape
         reason = (
             _repacked(model.get_submodule(module_name))
-            or found.irregular.get(param)
+            or not_in_place.get(param)
             or found.uncovered(param, expected)
             or _layout_mismatch(live, expected)
         )
         if reason is not None:
             reasons.setdefault(module_name, f"{param}: {reason}")
-    for param, reason in found.irregular.items():
+    for param, reason in not_in_place.items():
         reasons.setdefault(param.rpartition(".")[0], f"{param}: {reason}")
     for param in params.keys() - by_param.keys() - found.fills.keys():
         reasons.setdefault(param.rpartition(".")[0], f"{param}: the loader never wrote it")

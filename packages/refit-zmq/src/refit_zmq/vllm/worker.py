@@ -8,7 +8,9 @@ The calls: vLLM's update-session steps (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``), and ``address`` (where
 the worker's receiver listens: receivers bind ephemeral ports), ``partial`` (whether its model
 holds weights other than the version it serves), ``placement`` (where the sparse receiver keeps
-each checkpoint tensor) and ``checkpoint_digests`` (its read-back). Start the engine with ``worker_extension_cls=WORKER_EXTENSION``.
+each checkpoint tensor) and ``checkpoint_digests`` (its read-back); and the ``lora_*`` calls
+of the LoRA row (:mod:`refit_zmq.vllm.lora_worker`: adapters from memory). Start the engine
+with ``worker_extension_cls=WORKER_EXTENSION``.
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ class ZmqWorkerExtension:
         try:
             if method in _SESSION:
                 return True, getattr(worker, method)(*args)
+            if method.startswith("lora_"):
+                from refit_zmq.vllm.lora_worker import lora_call
+
+                return True, lora_call(worker, method, args)
             receiver = worker.weight_transfer_engine
             if method == "address":
                 return True, _attribute(receiver, "address", str)
             if method == "partial":
                 return True, _attribute(receiver, "partial", bool)
+            if method == "versions":
+                return True, _attribute(receiver, "versions", tuple)
             if method == "placement":
                 placement = getattr(receiver, "placement", None)
                 if placement is None:

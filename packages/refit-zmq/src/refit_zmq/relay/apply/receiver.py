@@ -9,6 +9,7 @@ only a committed transfer moves the receiver's version.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -118,10 +119,17 @@ def as_receiver(apply_payload: Receiver | Callable[..., Any]) -> Receiver:
 
 @dataclass
 class _Open:
+    """The transfer the receiver holds open: from the moment its first payload was admitted
+    (the engine told ``on_begin``) until its commit or rollback (the engine told that)."""
+
     transfer_id: str
     target: WeightVersion
     undo: UndoLog = field(default_factory=UndoLog)
     payloads: int = 0
+
+
+_ENDED_KEPT = 1024
+"""Ended (committed or rolled back) transfer ids a receiver remembers, to refuse late work."""
 
 
 class TensorReceiver:
@@ -131,10 +139,12 @@ class TensorReceiver:
         tensors: name -> tensor the payloads write (views into an engine's parameters work).
         version: the version the tensors hold (None: unknown, so only a resync applies).
         on_begin: called with a transfer's target version before its first payload writes a
-            byte (an engine stops generating there).
+            byte (an engine stops generating there). Every transfer begun ends in exactly one
+            ``on_commit`` or ``on_rollback``, whatever became of its payloads.
         on_commit: called with the new version after a commit (set the engine's version,
             reset its prefix cache).
-        on_rollback: called with the target version after a rollback restored the old bits.
+        on_rollback: called with the target version after a rollback restored the old bits
+            (also when none of the transfer's payloads stayed applied).
         max_undo_bytes: refuse a payload whose undo data would pass this (default: four
             times the tensors' bytes, enough for any legitimate transfer).
         undo_pool_bytes: host memory kept from one transfer's undo copies for the next
@@ -160,7 +170,8 @@ class TensorReceiver:
         self._on_begin = on_begin
         self._on_commit = on_commit
         self._on_rollback = on_rollback
-        self._begun: str | None = None
+        self._began = self._version
+        self._ended: deque[str] = deque(maxlen=_ENDED_KEPT)
         state_bytes = _nbytes(self._tensors.values())
         self._max_undo_bytes = 4 * state_bytes if max_undo_bytes is None else max_undo_bytes
         self._rng = np.random.default_rng(seed)
@@ -177,6 +188,11 @@ class TensorReceiver:
     def version(self) -> int | None:
         """The committed version."""
         return None if self._version is None else self._version.value
+
+    @property
+    def began_version(self) -> int | None:
+        """The highest version a transfer ever began here (committed or not)."""
+        return None if self._began is None else self._began.value
 
     def apply(self, body: memoryview, metadata: Mapping[str, Any]) -> ApplyResult:
         """Verify and apply one payload whole (see :class:`Receiver` and :meth:`open_payload`)."""
@@ -206,8 +222,11 @@ class TensorReceiver:
             items = [item for item, _ in layout.items]
             declared.check(items, transfer_id)
             target = self._target(_targets(items), transfer_id)
-            if self._begun != transfer_id:
-                self._begun = transfer_id
+            if transfer_id in self._ended:
+                raise StaleTransferError(f"transfer {transfer_id} has ended here")
+            if self._open is None:
+                self._open = _Open(transfer_id, target)
+                self._began = target if self._began is None else max(self._began, target)
                 if self._on_begin is not None:
                     self._on_begin(target.value)
 
@@ -224,13 +243,25 @@ class TensorReceiver:
         self._open_sinks += 1
         return _IncomingPayload(
             stream,
-            self._sink_closed,
+            lambda kept: self._sink_closed(transfer_id, kept),
             str(metadata["checksum"]),
             lambda result: self._keep(result, stream.undo, transfer_id),
         )
 
-    def _sink_closed(self) -> None:
+    def _sink_closed(self, transfer_id: str, kept: bool) -> None:
+        """A payload of ``transfer_id`` was kept, or refused or abandoned (and undone). A
+        transfer that keeps nothing ends at once: its engine is told (``on_rollback``) and
+        later payloads of it are refused (it aborts everywhere anyway)."""
         self._open_sinks -= 1
+        opened = self._open
+        if kept or opened is None or opened.transfer_id != transfer_id or opened.payloads:
+            return
+        self._open = None
+        self._ended.append(transfer_id)
+        self._recycle_undo()
+        logger.info("transfer %s ended here: its only payload so far was refused", transfer_id)
+        if self._on_rollback is not None:
+            self._on_rollback(opened.target.value)
 
     def _recycle_undo(self) -> None:
         """The transfer ended: its undo memory serves the next one (unless a payload of
@@ -246,10 +277,11 @@ class TensorReceiver:
             raise ProtocolError(
                 f"undo data would reach {held} bytes (limit {self._max_undo_bytes})"
             )
-        if self._open is None:
-            self._open = _Open(transfer_id, target)
-        self._open.undo.extend(undo)
-        self._open.payloads += 1
+        opened = self._open
+        if opened is None or opened.transfer_id != transfer_id or opened.target != target:
+            raise StaleTransferError(f"transfer {transfer_id} ended while a payload streamed")
+        opened.undo.extend(undo)
+        opened.payloads += 1
         return ApplyResult(len(result.items), result.nbytes, result.verified)
 
     def _target(self, targets: frozenset[WeightVersion], transfer_id: str) -> WeightVersion:
@@ -268,6 +300,7 @@ class TensorReceiver:
         self._recycle_undo()
         self._version = opened.target
         self._committed = transfer_id
+        self._ended.append(transfer_id)
         logger.info("transfer %s committed: version %d", transfer_id, opened.target.value)
         if self._on_commit is not None:
             self._on_commit(opened.target.value)
@@ -278,8 +311,11 @@ class TensorReceiver:
         if transfer_id == self._committed:
             raise StaleTransferError(f"transfer {transfer_id} is committed; it cannot roll back")
         if self._open is None or self._open.transfer_id != transfer_id:
+            if transfer_id not in self._ended:
+                self._ended.append(transfer_id)  # a late payload of it must not begin it
             return AbortReply(transfer_id, self.version, aborted=False, restored=False)
         opened, self._open = self._open, None
+        self._ended.append(transfer_id)
         opened.undo.restore()
         self._recycle_undo()
         logger.info(
@@ -290,7 +326,7 @@ class TensorReceiver:
         )
         if self._on_rollback is not None:
             self._on_rollback(opened.target.value)
-        return AbortReply(transfer_id, self.version, aborted=True, restored=True)
+        return AbortReply(transfer_id, self.version, aborted=True, restored=opened.payloads > 0)
 
     def status(self, *, digests: bool = False) -> ReceiverStatus:
         """The version, the open transfer, and optionally every tensor's digest."""
@@ -303,6 +339,7 @@ class TensorReceiver:
                 opened.transfer_id, opened.target.value, opened.payloads, opened.undo.nbytes
             ),
             {name: tensor_digest(t) for name, t in self._tensors.items()} if digests else None,
+            self.began_version,
         )
 
 
@@ -390,7 +427,7 @@ class _IncomingPayload:
     def __init__(
         self,
         stream: PayloadStream,
-        closed: Callable[[], None],
+        closed: Callable[[bool], None],
         checksum: str,
         keep: Callable[[StreamResult], ApplyResult],
     ) -> None:
@@ -403,17 +440,20 @@ class _IncomingPayload:
         self._stream.feed(chunk)
 
     def finish(self) -> ApplyResult:
+        kept = False
         try:
             result = self._stream.finish(self._checksum)
             try:
-                return self._keep(result)
+                applied = self._keep(result)
             except BaseException:
                 self._stream.undo.restore()
                 raise
+            kept = True
+            return applied
         finally:
-            self._closed()
+            self._closed(kept)
 
     def abandon(self) -> None:
         if not self._stream.finished:
             self._stream.abandon()
-            self._closed()
+            self._closed(False)

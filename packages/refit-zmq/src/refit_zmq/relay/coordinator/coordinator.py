@@ -34,6 +34,7 @@ from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.control import ControlChannel, Reply
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.frames import Kind
+from refit_zmq.relay.wire.liveness import refuses_connections
 from refit_zmq.relay.wire.reports import (
     AbortReply,
     CommitReply,
@@ -120,9 +121,21 @@ class RelayCoordinator:
         *,
         reply_within_s: float | None = None,
         until: float | None = None,
+        retries: int | None = None,
+        stop_when_gone: bool = False,
     ) -> dict[str, Reply]:
         within = self.timeout_s if reply_within_s is None else reply_within_s
-        return self._channel.call(requests, reply_within_s=within, until=until)
+        return self._channel.call(
+            requests,
+            reply_within_s=within,
+            until=until,
+            retries=retries,
+            stop_when_gone=stop_when_gone,
+        )
+
+    def gone(self) -> tuple[str, ...]:
+        """The relays of the tree whose ports refuse connections (dead, or closed)."""
+        return tuple(a for a in self.relays if refuses_connections(a))
 
     def configure_tree(
         self, relays: Sequence[str], *, shards: Mapping[str, int] | None = None
@@ -163,14 +176,23 @@ class RelayCoordinator:
         digests: bool = False,
         relays: Sequence[str] | None = None,
         deadline: Deadline | None = None,
+        probe_s: float | None = None,
     ) -> Statuses:
         """Every relay's status (those of ``relays``, default the tree's): version, the
         receiver's and the ledger's open transfer, staging (and digests). Read-only: the
-        relays need no tree for it. No attempt runs past ``deadline``."""
+        relays need no tree for it. No attempt runs past ``deadline``.
+
+        Args:
+            probe_s: ask each relay once, waiting this long for its answer (a relay that did
+                not answer the last request starts on a fresh socket); default: the usual
+                attempts of ``timeout_s`` each.
+        """
         addresses = self.relays if relays is None else tuple(relays)
         replies = self._call(
             {a: (Kind.STATUS, {"digests": digests}) for a in addresses},
             until=None if deadline is None else deadline.at,
+            reply_within_s=probe_s,
+            retries=None if probe_s is None else 0,
         )
         return {a: _typed(r, RelayStatus.from_json) for a, r in replies.items()}
 
@@ -282,6 +304,7 @@ class RelayCoordinator:
             },
             reply_within_s=reply_within_s,
             until=until,
+            stop_when_gone=True,  # one relay gone: the transfer aborts, wait for no other
         )
         answers = {a: _typed(r, FlushReport.from_json) for a, r in replies.items()}
         reports = {a: r for a, r in answers.items() if isinstance(r, FlushReport)}
@@ -291,7 +314,11 @@ class RelayCoordinator:
             failures.extend(report.failures)
         if expected_digests is not None:
             failures.extend(_digest_mismatches(reports, expected_digests))
-        committed = not failures and all(r.complete for r in reports.values())
+        committed = (
+            not failures
+            and len(reports) == len(self.relays)
+            and all(r.complete for r in reports.values())
+        )
         return TransferOutcome(transfer_id, committed, reports, tuple(failures), causes=causes)
 
     def _record(self, transfer_id: str, commit: bool) -> None:

@@ -10,11 +10,14 @@ every receiver holds (or a dense resync when asked).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from refit_core import EngineState, RefitError, RefitTimeoutError, WorkerError
 from refit_core.backend import Deadline, Participant, gather, method_name
@@ -25,6 +28,8 @@ from refit_zmq.relay.coordinator.coordinator import (
 )
 from refit_zmq.relay.coordinator.outcome import TransferOutcome
 from refit_zmq.relay.producer.shard import ShardProducerRole, StreamOrder, TransferOptions
+from refit_zmq.relay.wire.errors import code_for_error
+from refit_zmq.relay.wire.reports import Failure
 
 __all__ = [
     "PreparedTransfer",
@@ -35,6 +40,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_WATCH_S = 0.25
+"""How often the relays' ports are checked while the producers stream."""
 
 
 @dataclass(frozen=True)
@@ -132,19 +140,25 @@ def prepare_transfer(
         transfer_id, coordinator.relays, target_version, resync, options, deadline.remaining_s()
     )
     started = time.monotonic()
-    streams = gather(
-        {p: p.call(ShardProducerRole.refit_stream, order) for p in producers},
-        deadline.remaining_s(),
-    )
+    calls = {p: p.call(ShardProducerRole.refit_stream, order) for p in producers}
+    gone = _watch(coordinator, transfer_id, calls.values(), deadline)
+    remaining = deadline.remaining_s()
+    streams = gather(calls, None if remaining is None else remaining + DECISION_GRACE_S)
     streamed = time.monotonic()
-    if not streams.ok:
-        logger.warning("transfer %s: a producer failed; aborting", transfer_id)
+    if gone or not streams.ok:
+        logger.warning("transfer %s: a relay or a producer failed; aborting", transfer_id)
         decisions, errors = coordinator.decide(transfer_id, False, deadline=deadline)
         answered = [p for p in producers if p not in streams.missing]
         _settle(answered, commit=False, wait_s=_settle_s(options, deadline))
-        aborted = TransferOutcome(transfer_id, False, {}, (), decisions, errors)
+        failures = (*_gone(gone), *_refusals(streams.errors.values()))
+        aborted = TransferOutcome(transfer_id, False, {}, failures, decisions, errors)
+        if gone:
+            raise aborted.error(shards, target=target_version)
         missing = [p.label for p in streams.missing]
-        raise _producer_error(streams.errors, missing, aborted, shards)
+        error = _producer_error(streams.errors, missing, aborted, shards)
+        if isinstance(error, RefitTimeoutError) and not streams.missing:
+            error.progress = _progress(streams.errors.values())
+        raise error
     stats = [streams.results[p] for p in producers]
     flushed = coordinator.flush(
         transfer_id,
@@ -182,6 +196,58 @@ def decide_transfer(
     )
     finish_s = prepared.flush_s + time.monotonic() - started
     return TransferResult(outcome, prepared.shards, prepared.stream_s, finish_s, unsettled)
+
+
+def _watch(
+    coordinator: RelayCoordinator,
+    transfer_id: str,
+    streams: Iterable[Future[Any]],
+    deadline: Deadline,
+) -> tuple[str, ...]:
+    """Wait for the producers' streams, checking that every relay of the tree still listens;
+    the relays found gone (the transfer is then aborted at once, so the streams end early
+    instead of at the deadline), or none."""
+    pending = set(streams)
+    while pending and not deadline.expired():
+        left = deadline.remaining_s()
+        done, pending = concurrent.futures.wait(
+            pending,
+            timeout=_WATCH_S if left is None else min(_WATCH_S, left),
+            return_when=concurrent.futures.FIRST_EXCEPTION,
+        )
+        if any(future.exception() is not None for future in done):
+            return ()
+        gone = coordinator.gone() if pending else ()
+        if gone:
+            logger.warning("transfer %s: relays %s are gone; aborting", transfer_id, list(gone))
+            coordinator.decide(transfer_id, False, deadline=deadline)
+            return gone
+    return ()
+
+
+def _gone(relays: Iterable[str]) -> tuple[Failure, ...]:
+    return tuple(
+        Failure(a, "UNREACHABLE", "its port refuses connections: the relay is gone") for a in relays
+    )
+
+
+def _refusals(errors: Iterable[BaseException]) -> tuple[Failure, ...]:
+    """The relays that refused a producer's payload, as failure records (their engines)."""
+    return tuple(
+        Failure(report.worker, code_for_error(error), report.reason)
+        for error in errors
+        if isinstance(error, RefitError)
+        for report in error.engines
+        if report.reason is not None
+    )
+
+
+def _progress(errors: Iterable[BaseException]) -> float | None:
+    """The share of the transfer that moved: the least of the producers' (None: one of
+    them cannot say)."""
+    shares = [error.progress if isinstance(error, RefitError) else None for error in errors]
+    known = [share for share in shares if share is not None]
+    return min(known) if known and len(known) == len(shares) else None
 
 
 def _settle_s(options: TransferOptions, deadline: Deadline) -> float:

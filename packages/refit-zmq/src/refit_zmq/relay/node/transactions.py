@@ -311,6 +311,7 @@ class TransferControl:
                     staged_bytes=self._staging.reserved_bytes,
                     peak_staged_bytes=self._staging.peak_bytes,
                     digests=held.digests,
+                    began=held.began,
                 )
             )
 

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from refit_core import NamedTensor, RefitAbortedError, WeightVersion
+from refit_core import NamedTensor, RefitAbortedError, RefitError, WeightVersion
 from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay.producer.client import Acknowledged, ZmqSparseRefitClient
@@ -121,6 +121,7 @@ def stream_sparse_delta_payloads_via_zmq(
             verification_candidates=verification_candidates,
             senders=senders,
             deadline=deadline,
+            total_dense_bytes=sum(item.nbytes for item in delta_tracker.items),
         )
     except BaseException:
         _close(payloads)
@@ -152,41 +153,49 @@ def deliver_payloads(
     verification_candidates: int,
     senders: int = 2,
     deadline: Deadline | None = None,
+    total_dense_bytes: int | None = None,
 ) -> dict[str, int]:
     """Send ``payloads`` as they come, ``senders`` at a time (each thread its own DEALER),
     within ``deadline`` (see :meth:`ZmqSparseRefitClient.send_payload`).
 
     Payload ``i`` is named ``{payload_prefix}.{i}``. Returns ``payloads``, ``tensors``,
     ``changed_elements``, ``wire_bytes`` and ``dense_bytes``; raises the first send's error.
+    A ``RefitError`` carries the share of ``total_dense_bytes`` (the shard's) that was
+    encoded and handed to a sender by then as its ``progress``.
     """
     stats = {"payloads": 0, "tensors": 0, "changed_elements": 0, "wire_bytes": 0, "dense_bytes": 0}
     names: set[str] = set()
     in_flight: deque[Future[Acknowledged]] = deque()
-    with ThreadPoolExecutor(senders, thread_name_prefix="refit-send") as pool:
-        for index, payload in enumerate(payloads):
-            names.update(item.name for item in payload.items)
-            stats["payloads"] += 1
-            stats["changed_elements"] += payload.changed_elements
-            stats["wire_bytes"] += payload.nbytes
-            stats["dense_bytes"] += payload.dense_bytes
-            in_flight.append(
-                pool.submit(
-                    client.send_payload,
-                    transfer_id=transfer_id,
-                    payload_id=f"{payload_prefix}.{index}",
-                    checksum=payload.checksum,
-                    verification_candidates=verification_candidates,
-                    body=payload,
-                    relay_root=relay_root,
-                    base_version=base_version,
-                    target_version=target_version,
-                    deadline=deadline,
+    try:
+        with ThreadPoolExecutor(senders, thread_name_prefix="refit-send") as pool:
+            for index, payload in enumerate(payloads):
+                names.update(item.name for item in payload.items)
+                stats["payloads"] += 1
+                stats["changed_elements"] += payload.changed_elements
+                stats["wire_bytes"] += payload.nbytes
+                stats["dense_bytes"] += payload.dense_bytes
+                in_flight.append(
+                    pool.submit(
+                        client.send_payload,
+                        transfer_id=transfer_id,
+                        payload_id=f"{payload_prefix}.{index}",
+                        checksum=payload.checksum,
+                        verification_candidates=verification_candidates,
+                        body=payload,
+                        relay_root=relay_root,
+                        base_version=base_version,
+                        target_version=target_version,
+                        deadline=deadline,
+                    )
                 )
-            )
-            while len(in_flight) >= senders:
+                while len(in_flight) >= senders:
+                    in_flight.popleft().result()
+            while in_flight:
                 in_flight.popleft().result()
-        while in_flight:
-            in_flight.popleft().result()
+    except RefitError as error:
+        if total_dense_bytes:
+            error.progress = min(1.0, stats["dense_bytes"] / total_dense_bytes)
+        raise
     stats["tensors"] = len(names)
     return stats
 

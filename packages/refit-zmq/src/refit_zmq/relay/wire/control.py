@@ -4,6 +4,11 @@ One thread, one DEALER per relay, every request in flight together. Each relay's
 retried on its own (lazy pirate: new socket, backoff, same request id, bounded attempts);
 control requests are idempotent, so a retry after a lost reply is harmless. A relay that
 never answers yields a ``RefitTimeoutError`` naming it; a NACK yields its typed error.
+
+A relay that stopped answering is remembered: the next request to it starts on a fresh
+socket (one that lost a frozen relay may be waiting out its reconnect backoff when the relay
+runs again). While a request waits, a relay whose port refuses connections (its process is
+dead, or it was closed) fails at once instead of at its timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.errors import NackCode, error_for_nack
 from refit_zmq.relay.wire.frames import Kind, Message, encode
 from refit_zmq.relay.wire.link import Link, LinkSettings
+from refit_zmq.relay.wire.liveness import refuses_connections
 from refit_zmq.relay.wire.tuning import RelayTuning
 
 __all__ = ["ControlChannel", "Reply"]
@@ -33,6 +39,9 @@ logger = logging.getLogger(__name__)
 Reply = dict[str, Any] | RefitError
 """A relay's ``result`` (from DONE), or the error its request ended in."""
 
+_LIVENESS_S = 0.25
+"""How often a request waiting for a relay checks that its port still accepts connections."""
+
 
 @dataclass
 class _Call:
@@ -41,6 +50,7 @@ class _Call:
     request_id: str
     reply_within_s: float
     end: float
+    retries: int
     attempt: int = 0
     until: float = 0.0
     send_at: float = 0.0
@@ -67,6 +77,7 @@ class ControlChannel:
         self._settings = LinkSettings.of(signer, curve, self._tuning)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._links: dict[str, Link] = {}
+        self._silent: set[str] = set()
 
     def _link(self, address: str) -> Link:
         link = self._links.get(address)
@@ -80,6 +91,8 @@ class ControlChannel:
         *,
         reply_within_s: float,
         until: float | None = None,
+        retries: int | None = None,
+        stop_when_gone: bool = False,
     ) -> dict[str, Reply]:
         """Send ``requests`` (relay -> (kind, fields)) and wait for every answer.
 
@@ -88,6 +101,10 @@ class ControlChannel:
             reply_within_s: how long one attempt waits for its reply.
             until: the ``time.monotonic()`` instant by which every attempt ends, retries
                 included (None: no bound besides the attempts).
+            retries: further attempts after a timeout (default: the tuning's).
+            stop_when_gone: once a relay is found gone, stop waiting for the others (their
+                answers no longer matter: a FLUSH that cannot commit); they are left out of
+                the result.
 
         Returns:
             Relay -> its DONE result or the error its request ended in, after at most
@@ -95,11 +112,17 @@ class ControlChannel:
         """
         now = time.monotonic()
         end = math.inf if until is None else until
+        attempts_left = self._tuning.retries if retries is None else retries
+        for address in self._silent & set(requests):
+            self._link(address).reset()
         calls = {
-            address: _Call(kind, fields, uuid.uuid4().hex, reply_within_s, end, send_at=now)
+            address: _Call(
+                kind, fields, uuid.uuid4().hex, reply_within_s, end, attempts_left, send_at=now
+            )
             for address, (kind, fields) in requests.items()
         }
         replies: dict[str, Reply] = {}
+        checked = now
         while len(replies) < len(calls):
             now = time.monotonic()
             for address, call in calls.items():
@@ -108,6 +131,11 @@ class ControlChannel:
             waiting = [a for a in calls if a not in replies]
             if not waiting:
                 break
+            if now - checked >= _LIVENESS_S:
+                checked = now
+                if self._fail_gone(waiting, calls, replies) and stop_when_gone:
+                    break
+                waiting = [a for a in waiting if a not in replies]
             poller = zmq.Poller()
             for address in waiting:
                 poller.register(self._link(address).socket, zmq.POLLIN)
@@ -116,7 +144,28 @@ class ControlChannel:
                 link = self._link(address)
                 if link.socket in ready:
                     self._collect(address, calls[address], replies)
+        for address, reply in replies.items():
+            if isinstance(reply, RefitTimeoutError):
+                self._silent.add(address)
+            else:
+                self._silent.discard(address)
         return replies
+
+    def _fail_gone(
+        self, waiting: list[str], calls: Mapping[str, _Call], replies: dict[str, Reply]
+    ) -> bool:
+        """End the requests to relays whose port refuses connections (gone for good); whether
+        there was one."""
+        gone = [a for a in waiting if refuses_connections(a)]
+        for address in gone:
+            call = calls[address]
+            logger.warning("relay %s: %s failed: the relay is gone", address, call.kind)
+            self._link(address).reset()
+            replies[address] = RefitTimeoutError(
+                f"relay {address}: could not answer {call.kind}: it refuses connections "
+                "(its process is dead, or the relay was closed)"
+            )
+        return bool(gone)
 
     def _advance(self, address: str, call: _Call, now: float, replies: dict[str, Reply]) -> None:
         """Send a due request without blocking; time out an overdue attempt."""
@@ -157,7 +206,7 @@ class ControlChannel:
         pause_s = self._tuning.backoff(call.attempt - 1)
         if (
             isinstance(error, AuthenticationError)
-            or call.attempt > self._tuning.retries
+            or call.attempt > call.retries
             or now + pause_s >= call.end
         ):
             logger.warning(
@@ -203,6 +252,7 @@ class ControlChannel:
         address that left the tree would otherwise reconnect to it forever."""
         for address in [a for a in self._links if a not in addresses]:
             self._links.pop(address).close()
+            self._silent.discard(address)
 
     def close(self) -> None:
         """Close every socket."""

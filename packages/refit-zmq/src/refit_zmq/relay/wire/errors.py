@@ -7,6 +7,8 @@ import enum
 from refit_core import (
     AuthenticationError,
     ChecksumMismatchError,
+    EngineReport,
+    EngineState,
     GeometryMismatchError,
     ProtocolError,
     RefitError,
@@ -80,10 +82,13 @@ def code_for_error(error: BaseException) -> NackCode:
 
 
 def error_for_nack(code: NackCode, message: str, *, relay: str, what: str) -> RefitError:
-    """The typed error a sender raises for a NACK from ``relay`` about ``what``."""
+    """The typed error a sender raises for a NACK from ``relay`` about ``what``; it names
+    the refusing relay among its ``engines`` (with the refusal as its reason; the shard and
+    the state after the transfer are for the coordinator to tell)."""
     text = f"relay {relay} refused {what}: {code}: {message}"
+    refusing = (EngineReport(None, relay, EngineState.UNKNOWN, None, f"{code}: {message}"),)
     if code is NackCode.APPLY_FAILED:
-        return WorkerError(f"{code}: {message}", worker=relay, operation=what)
+        return WorkerError(f"{code}: {message}", worker=relay, operation=what, engines=refusing)
     if code is NackCode.BUSY:
         return RefitTimeoutError(text)
     by_code: dict[NackCode, type[RefitError]] = {
@@ -96,4 +101,4 @@ def error_for_nack(code: NackCode, message: str, *, relay: str, what: str) -> Re
         NackCode.GEOMETRY: GeometryMismatchError,
         NackCode.TREE: TreeMismatchError,
     }
-    return by_code.get(code, ProtocolError)(text)
+    return by_code.get(code, ProtocolError)(text, engines=refusing)

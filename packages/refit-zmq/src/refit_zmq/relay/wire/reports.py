@@ -445,11 +445,13 @@ class ReceiverOpen(_Report):
 
 @dataclass(frozen=True)
 class ReceiverStatus:
-    """What a receiver holds: its committed version, its open transfer, its digests."""
+    """What a receiver holds: its committed version, its open transfer, its digests, and
+    the highest version a transfer ever began on it (None: it cannot say)."""
 
     version: int | None
     open: ReceiverOpen | None = None
     digests: Mapping[str, int] | None = None
+    began: int | None = None
 
 
 @dataclass(frozen=True)
@@ -499,6 +501,8 @@ class RelayStatus(_Report):
         staged_bytes: payload bytes staged now.
         peak_staged_bytes: the most payload bytes ever staged at once.
         digests: with ``digests`` asked, tensor name -> ``tensor_digest``; else None.
+        began: the highest version a transfer ever began on the receiver, committed or
+            not (None: the receiver cannot say; an older relay leaves it out).
     """
 
     _READ: ClassVar[dict[str, Read]] = {
@@ -510,6 +514,7 @@ class RelayStatus(_Report):
         "staged_bytes": _Reader.integer,
         "peak_staged_bytes": _Reader.integer,
         "digests": _optional_digests,
+        "began": _Reader.optional_integer,
     }
     _WHAT: ClassVar[str] = "STATUS result"
 
@@ -521,6 +526,7 @@ class RelayStatus(_Report):
     staged_bytes: int
     peak_staged_bytes: int
     digests: Mapping[str, int] | None = None
+    began: int | None = None
 
     @property
     def open_transfers(self) -> frozenset[str]:
