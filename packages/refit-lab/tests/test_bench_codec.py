@@ -11,6 +11,7 @@ from refit_lab.bench import codec, codec_gpu
 from refit_lab.bench.deltas import ModelShape
 from refit_lab.bench.harness import BENCHES, BenchContext, load_bench
 from refit_lab.bench.ratio_check import Ratio, Side, check_summary_ratios
+from refit_lab.bench.read_both import BLOCK_BYTES, ReadBoth
 from refit_lab.bench.references import (
     nemo_apply,
     nemo_encode,
@@ -48,6 +49,12 @@ SUMMARY_RATIOS = {
     ),
     "apply_fraction_of_memcpy": Ratio(
         Side("apply_gbps", _at("refit")), Side("memcpy_gbps", _at("refit"))
+    ),
+    "ceiling_fraction_of_memcpy": Ratio(
+        Side("encode_gbps", _at(codec.CEILING)), Side("memcpy_gbps", _at(codec.CEILING))
+    ),
+    "encode_fraction_of_ceiling": Ratio(
+        Side("encode_gbps", _at("refit")), Side("encode_gbps", _at(codec.CEILING))
     ),
     "wire_ratio_vs_xor_zstd": Ratio(
         Side("wire_bytes", _at("refit")), Side("wire_bytes", _at("xor_zstd"))
@@ -133,18 +140,32 @@ def test_tiny_run_reports_every_case_and_the_summary() -> None:
     cases = {row["case"] for row in report.results}
     assert cases == {*codec.ADAMW_FRACTIONS, codec.UNIFORM_CASE}
     methods = {row["method"] for row in report.results}
-    assert methods == {*codec.METHODS, "memcpy"}
+    assert methods == {*codec.METHODS, codec.CEILING, "memcpy"}
     assert report.summary.keys() >= SUMMARY_KEYS
     assert report.summary["roundtrip_bitexact"] is True
     assert all(row["bitexact"] for row in report.results if "bitexact" in row)
+    assert all(row["differs"] for row in report.results if row["method"] == codec.CEILING)
     for row in report.results:
-        if row["method"] != "memcpy":
+        if row["method"] in codec.METHODS:
             assert isinstance(row["wire_bytes"], int) and row["wire_bytes"] > 0
             assert isinstance(row["memcpy_gbps"], float) and row["memcpy_gbps"] > 0
     check_summary_ratios(
         report, SUMMARY_RATIOS, other_keys={"refit_encode_gbps", "changed_fraction"}
     )
     report.to_json()
+
+
+@pytest.mark.parametrize(("name", "index"), [("big", 0), ("big", -1), ("small", 3)])
+def test_the_ceiling_reads_every_byte_of_both_states(name: str, index: int) -> None:
+    old = {"big": torch.zeros(3 * BLOCK_BYTES + 5, dtype=torch.uint8), "small": torch.zeros(7)}
+    same = {k: v.clone() for k, v in old.items()}
+    new = {k: v.clone() for k, v in old.items()}
+    new[name].view(torch.uint8)[index] = 1
+    for threads in (1, 2, 3):
+        with ReadBoth(old, new, threads=threads) as changed, ReadBoth(old, same, threads=2) as not_:
+            changed.seconds()
+            not_.seconds()
+            assert changed.differ and not not_.differ
 
 
 @pytest.mark.parametrize("nbytes", [1 << 20, 65 << 20, 8 << 30])

@@ -13,9 +13,10 @@ import torch
 import zmq
 
 from refit_core import GeometryMismatchError, NamedTensor, ProtocolError, StaleBaseError, TensorSpec
+from refit_core.backend import Deadline
 from refit_lab.reference_engine import ReferenceEngine, ReferenceModelConfig, random_checkpoint
 from refit_lab.trainer import SimulatedTrainer
-from refit_zmq.ipc import IpcOptions, IpcReceiver, IpcWeightSynchronizer
+from refit_zmq.ipc import IpcOptions, IpcReceiver, IpcWeightSynchronizer, WorkerLinks
 from refit_zmq.ipc.handles import handle_from_json
 from refit_zmq.ipc.packing import BufferPool, Packer
 from refit_zmq.ipc.protocol import manifest_to_json
@@ -37,6 +38,7 @@ class RawTrainer:
     """A trainer speaking the wire protocol by hand, with real shared buffers."""
 
     def __init__(self, address: str, state: dict[str, torch.Tensor]) -> None:
+        self.address = address
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.socket = self.context.socket(zmq.REQ)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -52,8 +54,8 @@ class RawTrainer:
         reply: dict[str, Any] = self.socket.recv_json()  # type: ignore[assignment]
         return reply
 
-    def begin(self, version: int, **overrides: Any) -> dict[str, Any]:
-        message = {
+    def begin_message(self, version: int, **overrides: Any) -> dict[str, Any]:
+        return {
             "op": "begin",
             "protocol": "refit-ipc/1",
             "version": version,
@@ -62,7 +64,9 @@ class RawTrainer:
             "manifest": manifest_to_json(self.manifest),
             **overrides,
         }
-        return self.ask(message)
+
+    def begin(self, version: int, **overrides: Any) -> dict[str, Any]:
+        return self.ask(self.begin_message(version, **overrides))
 
     def close(self) -> None:
         self.socket.close()
@@ -99,6 +103,40 @@ def test_a_full_refit_by_hand_commits(trainer: RawTrainer, engine: ReferenceEngi
     assert reply == {"ok": True, "op": "commit", "partial": False, "version": 1}
     assert engine.weight_version == 1
     assert engine.state_digests() == ReferenceEngine(CONFIG, seed=2).state_digests()
+
+
+def test_the_trainer_links_keep_requests_outstanding_and_match_replies_in_order(
+    trainer: RawTrainer, engine: ReferenceEngine
+) -> None:
+    """The next request goes out before the previous one is answered (a worker finds the
+    next bucket queued when it finishes loading one); after a refusal, ``settle`` drains
+    what is still outstanding, aborts, and the links serve the next refit."""
+    links = WorkerLinks([trainer.address])
+    deadline = Deadline.after(30)
+    try:
+        links.send(trainer.begin_message(1), deadline)
+        for bucket in trainer.buckets:
+            links.send(bucket.message(1), deadline)
+        replies = [links.gather(deadline)[trainer.address] for _ in range(len(trainer.buckets) + 1)]
+        assert [r["op"] for r in replies] == ["begin"] + ["bucket"] * len(trainer.buckets)
+        assert [r["seq"] for r in replies[1:]] == [b.seq for b in trainer.buckets]
+        links.request({"op": "commit", "version": 1, "count": len(trainer.state)}, deadline)
+        assert engine.weight_version == 1
+
+        links.send(trainer.begin_message(2), deadline)
+        first = trainer.buckets[0].message(2)
+        for seq in range(4):  # two still outstanding after the refusal
+            links.send({**first, "seq": seq}, deadline)
+        links.gather(deadline)
+        links.gather(deadline)
+        with pytest.raises(GeometryMismatchError, match="sent twice"):
+            links.gather(deadline)
+        assert links.settle({"op": "abort", "version": 2}, deadline) == [trainer.address]
+        reply = links.request(trainer.begin_message(3), deadline)[trainer.address]
+        assert reply["op"] == "begin" and reply["ok"], "every earlier reply was drained"
+        assert engine.weight_version == 1
+    finally:
+        links.close()
 
 
 def test_the_sentinel_refuses_a_refit_with_tensors_never_loaded(

@@ -9,9 +9,18 @@ import pytest
 import torch
 from relay_helpers import KiB, MiB, Trainer, digests, make_state
 
-from refit_core import ChecksumMismatchError, GeometryMismatchError, ProtocolError, WeightVersion
+from refit_core import (
+    ChecksumMismatchError,
+    GeometryMismatchError,
+    ProtocolError,
+    TensorSpec,
+    WeightVersion,
+)
 from refit_zmq.codec import DeltaPayload, UndoLog, apply_payload
+from refit_zmq.codec.format import PayloadHasher
+from refit_zmq.relay.apply import payload_stream
 from refit_zmq.relay.apply.payload_stream import PayloadStream
+from refit_zmq.tracker import DeltaCompressionTracker, TrackerConfig
 
 
 @pytest.fixture(params=["resync", "delta"])
@@ -114,6 +123,41 @@ def test_an_abandoned_payload_is_undone(payloads: tuple[list[DeltaPayload], int 
     stream.feed(memoryview(data)[: len(data) - 1])
     stream.abandon()
     assert digests(tensors) == before
+
+
+@pytest.mark.parametrize("fail_at", [2, 7, 30])
+def test_a_write_interrupted_inside_a_run_of_undo_memory_is_undone(
+    fail_at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw resync (its items written straight from the chunks) in small blocks, so one run
+    of undo memory spans many of them; hashing a block fails after the blocks before it
+    were written: every one of them is rolled back."""
+    tracker = DeltaCompressionTracker(
+        {name: TensorSpec.of(t) for name, t in make_state(1).items()},
+        TrackerConfig(bucket_size_bytes=512 * KiB, max_item_bytes=256 * KiB, compress=False),
+    )
+    with tracker:
+        payload = max(tracker.encode(make_state(2), WeightVersion(1)), key=lambda p: p.nbytes)
+    tensors = make_state(1)
+    before = digests(tensors)
+    stream = _stream(tensors, None)
+    monkeypatch.setattr(payload_stream, "BLOCK_BYTES", 1024)
+    hashed = 0
+    update = PayloadHasher.update
+
+    def failing(self: PayloadHasher, data: memoryview) -> None:
+        nonlocal hashed
+        hashed += 1
+        if hashed == fail_at:
+            raise RuntimeError("interrupted")
+        update(self, data)
+
+    monkeypatch.setattr(PayloadHasher, "update", failing)
+    for piece in _cuts(payload.to_bytes(), [300 * KiB]):
+        stream.feed(piece)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        stream.finish(payload.checksum)
+    assert hashed > fail_at and digests(tensors) == before
 
 
 def test_a_payload_cut_short_is_refused(payloads: tuple[list[DeltaPayload], int | None]) -> None:

@@ -14,6 +14,11 @@ its targets with. Every ratio is the median of per-round ratios (method against 
 just before it, or against the other method in the same round), and the reference's own
 median rate is recorded beside it. Rates are dense input bytes per second.
 
+The ceiling, last in every round after its own memcpy: ``read_both``, both versions read once
+and nothing else (:class:`~refit_lab.bench.read_both.ReadBoth`), which any change detection
+must do; ``ceiling_fraction_of_memcpy`` is what it reaches, ``encode_fraction_of_ceiling``
+how close the codec's encode gets to it.
+
 ``--device cuda`` runs :mod:`refit_lab.bench.codec_gpu` instead (the GPU delta encoder).
 """
 
@@ -45,6 +50,7 @@ from refit_lab.bench.harness import (
     rate_fields,
     timeit,
 )
+from refit_lab.bench.read_both import ReadBoth
 from refit_lab.bench.references import (
     Memcpy,
     nemo_apply,
@@ -86,6 +92,8 @@ ADAMW_FRACTIONS: dict[str, float] = {
 UNIFORM_CASE = "uniform_1pct"
 SUMMARY_CASE = "adamw_1pct"
 METHODS = ("refit", "xor_zstd", "nemo", "numpy_naive")
+CEILING = "read_both"
+"""The ceiling's rows: both versions read once (:class:`~refit_lab.bench.read_both.ReadBoth`)."""
 REPEATS = 5
 
 QUICK_MODEL = ModelShape(hidden=1024, intermediate=2816, vocab=8192, layers=2)
@@ -208,12 +216,20 @@ def measure_case(
     specs = {name: TensorSpec.of(tensor) for name, tensor in old.items()}
     samples = {m: _Samples() for m in METHODS}
     memcpy = Memcpy(dense, threads=threads)
-    with DeltaCompressionTracker(specs, TrackerConfig(threads=threads)) as tracker:
+    ceiling = _Samples()
+    with (
+        DeltaCompressionTracker(specs, TrackerConfig(threads=threads)) as tracker,
+        ReadBoth(old, new, threads=threads) as read_both,
+    ):
         tracker.load_baseline(old, WeightVersion(0))
         methods = _methods(tracker, old, new, receivers)
         for round_index in range(repeats + 1):
             for name, method in methods.items():
                 samples[name].run(method, memcpy, new, receivers[name], record=round_index > 0)
+            copy_s, read_s = memcpy.seconds(), read_both.seconds()
+            if round_index > 0:
+                ceiling.memcpy_s.append(copy_s)
+                ceiling.encode_s.append(read_s)
     refit = samples["refit"]
     rows: list[dict[str, object]] = []
     for name, got in samples.items():
@@ -234,10 +250,24 @@ def measure_case(
                 "refit_encode_speedup": PairedRatio.of(
                     subject_s=refit.encode_s, reference_s=got.encode_s, nbytes=dense
                 ).ratio,
+                "encode_vs_read_both": PairedRatio.of(
+                    subject_s=got.encode_s, reference_s=ceiling.encode_s, nbytes=dense
+                ).ratio,
                 "bitexact": got.bitexact,
             }
         )
-    all_memcpy = [s for got in samples.values() for s in got.memcpy_s]
+    read = PairedRatio.of(subject_s=ceiling.encode_s, reference_s=ceiling.memcpy_s, nbytes=dense)
+    rows.append(
+        {
+            "case": case,
+            "method": CEILING,
+            **rate_fields("encode_gbps", read.subject_rounds_gbps),
+            **rate_fields("memcpy_gbps", read.reference_rounds_gbps),
+            "encode_vs_memcpy": read.ratio,
+            "differs": read_both.differ,
+        }
+    )
+    all_memcpy = [s for got in [*samples.values(), ceiling] for s in got.memcpy_s]
     rows.append(
         {
             "case": case,
@@ -267,6 +297,10 @@ def _summary(rows: list[dict[str, object]]) -> dict[str, float | bool]:
         "encode_speedup_vs_nemo_recipe_reference_gbps": num("nemo", "encode_gbps"),
         "encode_fraction_of_memcpy": num("refit", "encode_vs_memcpy"),
         "encode_fraction_of_memcpy_reference_gbps": num("refit", "memcpy_gbps"),
+        "ceiling_fraction_of_memcpy": num(CEILING, "encode_vs_memcpy"),
+        "ceiling_fraction_of_memcpy_reference_gbps": num(CEILING, "memcpy_gbps"),
+        "encode_fraction_of_ceiling": num("refit", "encode_vs_read_both"),
+        "encode_fraction_of_ceiling_reference_gbps": num(CEILING, "encode_gbps"),
         "apply_fraction_of_memcpy": num("refit", "apply_vs_memcpy"),
         "apply_fraction_of_memcpy_reference_gbps": num("refit", "memcpy_gbps"),
         "roundtrip_bitexact": all(r["bitexact"] for r in rows if "bitexact" in r),

@@ -36,15 +36,15 @@ class UndoArena:
         return sum(block.nbytes for block in self._free)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of uint8 memory, valid until :meth:`recycle`."""
-        if nbytes > self._block_bytes:
-            return np.empty(nbytes, dtype=np.uint8)
-        if self._block is None or self._at + nbytes > self._block.nbytes:
+        """Between 1 and ``nbytes`` (> 0) bytes of uint8 memory, valid until :meth:`recycle`:
+        the rest of the current block, or of a new block (a caller copying a long run takes
+        piece after piece, and fills every block)."""
+        if self._block is None or self._at == self._block.nbytes:
             self._block = self._free.pop() if self._free else np.empty(self._block_bytes, np.uint8)
             self._used.append(self._block)
             self._at = 0
         piece = self._block[self._at : self._at + nbytes]
-        self._at += nbytes
+        self._at += piece.nbytes
         return piece
 
     def recycle(self) -> None:

@@ -1,15 +1,18 @@
-"""Trainer side: one REQ control socket per engine worker, every wait bounded by a deadline.
+"""Trainer side: one DEALER control socket per engine worker, every wait bounded by a deadline.
 
-REQ/REP suits the channel: each worker has at most one request outstanding (the bucket it is
-loading while the trainer fills the other buffer), so replies need no ids; a reply's ``op``
-is still checked. A worker that does not answer before the refit's deadline has its socket
-closed with linger 0 (a REQ socket cannot send again without that reply) and is named in the
-:class:`~refit_core.errors.RefitTimeoutError`; the links are then broken until rebuilt.
+A worker's REP socket answers requests one at a time, in order, so a trainer may send the
+next request before the previous one is answered (the next bucket is then already queued
+when the worker finishes loading one: no round trip between two loads) and replies need no
+ids: each is matched to the oldest outstanding request, whose ``op`` it must name. A worker
+that does not answer before the refit's deadline has its socket closed with linger 0 and is
+named in the :class:`~refit_core.errors.RefitTimeoutError`; the links are then broken until
+rebuilt.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,11 +35,11 @@ def _timeout_ms(deadline: Deadline) -> int | None:
 class _Link:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
         self.address = address
-        self.socket: zmq.Socket[bytes] = context.socket(zmq.REQ)
+        self.socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
-        self.awaiting: str | None = None
-        """The op of the request whose reply is outstanding."""
+        self.awaiting: deque[str] = deque()
+        """The ops of the requests whose replies are outstanding, oldest first."""
 
 
 class WorkerLinks:
@@ -57,19 +60,17 @@ class WorkerLinks:
         return [link.address for link in self._links]
 
     def send(self, message: Mapping[str, Any], deadline: Deadline) -> None:
-        """Send ``message`` to every worker (each must have no reply outstanding)."""
+        """Send ``message`` to every worker (behind any request still awaiting its reply)."""
         frame = encode(message)
         op = str(message["op"])
         for link in self._links:
-            if link.awaiting is not None:
-                raise RuntimeError(f"{link.address}: {link.awaiting} still awaits its reply")
             if not link.socket.poll(_timeout_ms(deadline), zmq.POLLOUT):
                 self._time_out([link], op)
-            link.socket.send(frame, zmq.NOBLOCK)
-            link.awaiting = op
+            link.socket.send_multipart([b"", frame], zmq.NOBLOCK)  # b"": REP's delimiter
+            link.awaiting.append(op)
 
     def gather(self, deadline: Deadline) -> dict[str, dict[str, Any]]:
-        """Every outstanding reply, by address.
+        """The reply to every worker's oldest outstanding request, by address.
 
         Raises:
             RefitTimeoutError: some worker did not answer in time (its socket is closed).
@@ -85,7 +86,7 @@ class WorkerLinks:
         replies: dict[str, dict[str, Any]] = {}
         refusal: RefitError | None = None
         poller = zmq.Poller()
-        pending = {link.socket: link for link in self._links if link.awaiting is not None}
+        pending = {link.socket: link for link in self._links if link.awaiting}
         for socket in pending:
             poller.register(socket, zmq.POLLIN)
         while pending:
@@ -95,9 +96,9 @@ class WorkerLinks:
             for socket in ready:
                 link = pending.pop(socket)
                 poller.unregister(socket)
-                op, link.awaiting = str(link.awaiting), None
+                op = link.awaiting.popleft()
                 try:
-                    reply = decode(socket.recv(zmq.NOBLOCK))
+                    reply = _reply(socket.recv_multipart(zmq.NOBLOCK))
                     if reply.get("op") != op:
                         raise ProtocolError(
                             f"{link.address} answered {reply.get('op')!r} to {op!r}"
@@ -116,9 +117,10 @@ class WorkerLinks:
         return self.gather(deadline)
 
     def settle(self, abort: Mapping[str, Any], deadline: Deadline) -> list[str]:
-        """After a failure: drain outstanding replies, send ``abort`` to every worker, and
+        """After a failure: drain every outstanding reply, send ``abort`` to every worker, and
         return those whose engine holds a partial load. Raises only RefitTimeoutError."""
-        self._collect(deadline)
+        while any(link.awaiting for link in self._links):
+            self._collect(deadline)
         self.send(abort, deadline)
         replies, _ = self._collect(deadline)
         return [address for address, reply in replies.items() if reply.get("partial") is True]
@@ -138,3 +140,10 @@ class WorkerLinks:
         for link in self._links:
             link.socket.close(linger=0)
         self._context.term()
+
+
+def _reply(frames: list[bytes]) -> dict[str, Any]:
+    """The reply in a DEALER's frames: REP's empty delimiter, then one JSON frame."""
+    if len(frames) != 2 or frames[0]:
+        raise ProtocolError(f"a reply is a delimiter and one frame, got {len(frames)} frames")
+    return decode(frames[1])

@@ -1,6 +1,6 @@
 """The control messages of the IPC channel (``refit-ipc/1``): one JSON object per frame.
 
-Requests (trainer -> worker, on a REQ socket) and replies (worker -> trainer, on its REP
+Requests (trainer -> worker, on a DEALER socket) and replies (worker -> trainer, on its REP
 socket) are JSON objects; nothing is ever unpickled. A request names its ``op``:
 
 - ``begin``: ``version``, ``session``, ``buffers`` (the two ping-pong buffers' handles) and

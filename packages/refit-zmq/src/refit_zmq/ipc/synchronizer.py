@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -233,28 +234,40 @@ class IpcWeightSynchronizer(WeightSynchronizer):
     def _stream(
         self, links: WorkerLinks, buckets: Iterator[Bucket], version: int, deadline: Deadline
     ) -> tuple[int, float]:
-        """With ``begin`` sent, send every bucket, one in flight while the next fills (the
-        first fills while ``begin`` is answered); the bytes sent and when ``begin`` was."""
+        """With ``begin`` sent, send each bucket as soon as it is filled, so that the workers
+        find the next one queued when they finish loading one; before the next fill, wait
+        for the oldest request (``begin``, then the bucket whose buffer it reuses). The bytes
+        sent and when ``begin`` was answered."""
         pool = self._pool
         assert pool is not None
         sent = 0
         began: float | None = None
-        pending: Bucket | None = None
+        outstanding: deque[Bucket | None] = deque([None])  # None: begin
         try:
             for bucket in buckets:
                 if pool.device.type == "cuda":
                     torch.cuda.current_stream(pool.device).synchronize()
-                links.gather(deadline)
-                if pending is not None:
-                    self._release(pending)
-                began = time.monotonic() if began is None else began
                 links.send(bucket.message(version), deadline)
-                pending, sent = bucket, sent + bucket.nbytes
+                outstanding.append(bucket)
+                sent += bucket.nbytes
+                while len(outstanding) > 1:  # both buffers in flight: free the older
+                    self._answered(links, outstanding.popleft(), deadline)
+                    began = time.monotonic() if began is None else began
+            while outstanding:
+                self._answered(links, outstanding.popleft(), deadline)
+        finally:
+            for left in outstanding:
+                if left is not None:
+                    self._release(left)
+        return sent, time.monotonic() if began is None else began
+
+    def _answered(self, links: WorkerLinks, bucket: Bucket | None, deadline: Deadline) -> None:
+        """Wait for every worker's answer to the oldest request, then free its bucket."""
+        try:
             links.gather(deadline)
         finally:
-            if pending is not None:
-                self._release(pending)
-        return sent, time.monotonic() if began is None else began
+            if bucket is not None:
+                self._release(bucket)
 
     def _release(self, bucket: Bucket) -> None:
         assert self._pool is not None
