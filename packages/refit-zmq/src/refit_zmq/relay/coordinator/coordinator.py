@@ -13,10 +13,10 @@ termination (commit it if any relay committed it, else abort it).
 Every request takes the caller's deadline (:class:`~refit_core.backend.Deadline`, required:
 ``Deadline.never()`` waits without one); one attempt waits ``timeout_s`` at most, and less
 when the deadline is near (:func:`attempt_timeout_s`). With a deadline, the flush and the
-delivery of the decision both end by it: relays are asked
-to answer the FLUSH by the deadline (less :data:`FLUSH_MARGIN_S`), their answers are awaited
-until the deadline, and the decision is delivered for at most :data:`DECISION_GRACE_S` past
-it, so an error reaches the caller by the deadline plus less than a second. Relays that were not reached settle the transfer on
+delivery of the decision both end by it: relays are asked to answer the FLUSH by the deadline
+(less :data:`FLUSH_MARGIN_S`), their answers are awaited until the deadline, and the decision
+is delivered for at most :data:`DECISION_GRACE_S` past it, so an error reaches the caller by
+the deadline plus less than a second. Relays that were not reached settle the transfer on
 their own (see PROTOCOL.md).
 """
 
@@ -143,23 +143,6 @@ class RelayCoordinator:
         """One attempt's wait under ``deadline`` (see :func:`attempt_timeout_s`)."""
         return attempt_timeout_s(self._timeout_s, self._tuning.retries, deadline.remaining_s())
 
-    def _call(
-        self,
-        requests: Mapping[str, tuple[Kind, dict[str, Any]]],
-        *,
-        reply_within_s: float,
-        until: float | None,
-        retries: int | None = None,
-        stop_when_gone: bool = False,
-    ) -> dict[str, Reply]:
-        return self._channel.call(
-            requests,
-            reply_within_s=reply_within_s,
-            until=until,
-            retries=retries,
-            stop_when_gone=stop_when_gone,
-        )
-
     def gone(self) -> tuple[str, ...]:
         """The relays of the tree whose ports refuse connections (dead, or closed)."""
         return tuple(a for a in self.relays if refuses_connections(a))
@@ -183,7 +166,7 @@ class RelayCoordinator:
             RefitError: a relay refused or did not answer (named, with every relay's state).
         """
         tree = RelayTree.of(relays, self._tuning.fanout)
-        replies = self._call(
+        replies = self._channel.call(
             {
                 address: (
                     Kind.CONFIGURE,
@@ -222,7 +205,7 @@ class RelayCoordinator:
                 attempts (:func:`attempt_timeout_s`).
         """
         addresses = self.relays if relays is None else tuple(relays)
-        replies = self._call(
+        replies = self._channel.call(
             {a: (Kind.STATUS, {"digests": digests}) for a in addresses},
             until=deadline.at,
             reply_within_s=self._attempt_s(deadline) if probe_s is None else probe_s,
@@ -264,7 +247,7 @@ class RelayCoordinator:
             )
             for address in addresses:
                 finishing[address] = (kind, {"transfer_id": transfer_id})
-        self._call(finishing, reply_within_s=self._attempt_s(deadline), until=until)
+        self._channel.call(finishing, reply_within_s=self._attempt_s(deadline), until=until)
         statuses.update(self.status(relays=list(finishing), deadline=deadline))
         return statuses
 
@@ -272,7 +255,7 @@ class RelayCoordinator:
 
     def _committed_anywhere(self, transfer_id: str, deadline: Deadline) -> bool:
         """Whether any relay of the tree committed ``transfer_id`` (OUTCOME to all)."""
-        replies = self._call(
+        replies = self._channel.call(
             {a: (Kind.OUTCOME, {"transfer_id": transfer_id}) for a in self.relays},
             reply_within_s=self._attempt_s(deadline),
             until=deadline.at,
@@ -323,7 +306,7 @@ class RelayCoordinator:
             wait_s = max(0.0, left - min(FLUSH_MARGIN_S, left / 10))
             until = time.monotonic() + left
             reply_within_s = left
-        replies = self._call(
+        replies = self._channel.call(
             {
                 address: (
                     Kind.FLUSH,
@@ -371,7 +354,7 @@ class RelayCoordinator:
         until = None
         if deadline.at is not None:
             until = max(time.monotonic(), deadline.at) + DECISION_GRACE_S
-        replies = self._call(
+        replies = self._channel.call(
             {a: (kind, {"transfer_id": transfer_id}) for a in self.relays},
             reply_within_s=max(self._attempt_s(deadline), DECISION_GRACE_S),
             until=until,
