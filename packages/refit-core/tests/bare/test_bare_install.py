@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
@@ -42,7 +41,7 @@ def public_modules() -> list[str]:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def bare_environment() -> Iterator[None]:
+def bare_environment() -> None:
     """Fails every test here unless refit-core is the only refit package and none of
     :data:`ABSENT` is installed (elsewhere the checks below would prove nothing)."""
     present = [name for name in ABSENT if find_spec(name) is not None]
@@ -57,7 +56,6 @@ def bare_environment() -> Iterator[None]:
             "run scripts/test-isolated refit-core",
             pytrace=False,
         )
-    yield
 
 
 def test_every_module_said_to_need_an_extra_is_public() -> None:
