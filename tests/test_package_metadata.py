@@ -25,6 +25,9 @@ _LOADER.exec_module(release_check)
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
 BACKENDS = ("refit-zmq", "refit-nccl", "refit-dynamo", "refit-sglang")
 REQUIREMENT = re.compile(r"^(refit-[a-z]+(?:\[[a-z]+\])?)([<>=!~].*)$")
+CORE_THIRD_PARTY = {"sources": {"torch>=2.6"}, "vllm": {"torch>=2.6", "xxhash>=3.4"}}
+"""refit-core's extras that install what its own modules import (refit_core.sources;
+refit_core.vllm's worker modules), beside refit's packages."""
 
 
 def project(name: str) -> dict[str, object]:
@@ -123,13 +126,14 @@ def test_core_wheel_carries_extras_with_version_ranges(tmp_path: Path) -> None:
     assert extras == {"sources", "vllm", "sglang", "dynamo", "megatron", "zmq", "nccl", "all"}
     requires = metadata.get_all("Requires-Dist") or []
     by_extra: dict[str, set[str]] = {}
+    third_party: dict[str, set[str]] = {}
     for line in requires:
         requirement, _, marker = line.partition(";")
         extra = re.search(r"extra == ['\"]([a-z]+)['\"]", marker)
         assert extra, f"core has a non-optional dependency: {line}"
         spec = requirement.strip().replace(" ", "")
-        if extra.group(1) == "sources":  # what refit_core.sources imports
-            assert spec == "torch>=2.6", line
+        if not spec.startswith("refit-"):
+            third_party.setdefault(extra.group(1), set()).add(spec)
             continue
         parsed = REQUIREMENT.match(spec)
         assert parsed, f"no version range in {line}"
@@ -137,6 +141,7 @@ def test_core_wheel_carries_extras_with_version_ranges(tmp_path: Path) -> None:
         assert {s.operator for s in sibling.specifier} == {">=", "<"}, line
         assert sibling.specifier.contains(project(sibling.name)["version"]), line
         by_extra.setdefault(extra.group(1), set()).add(parsed.group(1))
+    assert third_party == CORE_THIRD_PARTY
     assert by_extra["vllm"] == {"refit-zmq", "refit-nccl"}
     assert by_extra["zmq"] == {"refit-zmq"}
     assert by_extra["nccl"] == {"refit-nccl"}

@@ -1,5 +1,6 @@
-"""Importing refit's transport packages, their vLLM integration included, never imports vLLM
-(only vLLM's workers load the receivers). Run where vLLM is installed, so it can fail."""
+"""Importing refit's transport packages, their vLLM integration included (refit-core's vLLM
+worker modules too), never imports vLLM (only vLLM's workers load the receivers, and a load
+imports vLLM's reload). Run where vLLM is installed, so it can fail."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_refit_vllm_modules_do_not_import_vllm() -> None:
         "import json, sys\n"
         "import refit_nccl, refit_nccl.vllm, refit_nccl.vllm_native, refit_zmq, refit_zmq.vllm\n"
         "import refit_zmq.sparse, refit_dynamo\n"
+        "import refit_core.vllm.loading, refit_core.vllm.runtime_check, refit_core.vllm.write_map\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
     )
     proc = subprocess.run(

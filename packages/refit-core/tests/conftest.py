@@ -12,6 +12,10 @@ import pytest
 
 TOY = Path(__file__).parent / "toy_backend"
 
+collect_ignore = ["bare"]
+"""``bare/`` needs a venv holding refit-core alone: only scripts/test-isolated's bare step
+runs it."""
+
 Install = Callable[[str, str, Mapping[str, str], Mapping[str, str]], None]
 
 

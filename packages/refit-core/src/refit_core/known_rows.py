@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refit_core import extras
 from refit_core.rows import Topology
 
 __all__ = ["KNOWN_ROWS", "UNSUPPORTED", "KnownRow", "known_default", "known_row"]
@@ -33,7 +34,7 @@ class KnownRow:
     @property
     def install_hint(self) -> str:
         """The pip line that brings this row's package."""
-        return f'pip install "refit-core[{self.extra}]"'
+        return extras.install_hint(self.extra)
 
 
 KNOWN_ROWS: tuple[KnownRow, ...] = (

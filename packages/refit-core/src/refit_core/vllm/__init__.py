@@ -3,8 +3,11 @@ sparse receivers): holding an engine's requests while its weights are not one ve
 loading checkpoint-format tensors into a worker's model, staged or streamed.
 
 Importing this package loads neither vLLM nor torch: :class:`VllmGate` drives an engine object
-it is given (an offline ``vllm.LLM``, or an ``AsyncLLM`` through :class:`AsyncVllm`), and
-:mod:`refit_core.vllm.loading` imports them only inside a vLLM worker.
+it is given (an offline ``vllm.LLM``, or an ``AsyncLLM`` through :class:`AsyncVllm`). The worker
+modules (:mod:`~refit_core.vllm.loading`, :mod:`~refit_core.vllm.runtime_check`,
+:mod:`~refit_core.vllm.write_map`) import torch and xxhash, which the ``vllm`` extra installs
+(without them their import fails naming it); vLLM, the worker's own install, only where a load
+runs.
 """
 
 from refit_core.vllm.client import AsyncVllm, OfflineVllm, VllmClient, vllm_client

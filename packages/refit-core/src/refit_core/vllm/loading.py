@@ -21,7 +21,8 @@ load wrote is checked whole against the refit's tensors (digests) and what the k
 probed positions; a load that leaves any of it on other values raises
 :class:`~refit_core.errors.VerificationError` (the model stays :attr:`partial`).
 
-Only a vLLM worker imports this module (it imports torch and vLLM).
+Only a vLLM worker uses this module. It imports torch (the ``vllm`` extra installs it) and
+vLLM's reload only where a load runs (vLLM is the worker's own install).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-import torch
-from vllm.model_executor.model_loader.reload import (
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
-
 from refit_core.backend import checkpoint_specs, dtype_name
+from refit_core.extras import missing_extra
+
+try:  # the `vllm` extra installs it
+    import torch
+except ModuleNotFoundError as missing:
+    raise missing_extra(__name__, missing, "vllm") from missing
+
 from refit_core.vllm.runtime_check import RuntimeCheck
 from refit_core.vllm.write_map import WriteMap, capture_write_map
 
@@ -155,8 +157,7 @@ class CheckpointLoading:
                 self._received.append(name)
             return
         if not self._reloading:
-            initialize_layerwise_reload(self._holder.model)
-            self._reloading = True
+            self._start_reload()
         self.partial = True
         # The reload keeps a layer's tensors until the layer is complete, while a caller may
         # reuse its buffers once this returns.
@@ -184,8 +185,8 @@ class CheckpointLoading:
         started = time.perf_counter()
         loaded = self._reloading
         if self.staged and self._received:
-            initialize_layerwise_reload(self._holder.model)
-            self._reloading = loaded = True
+            self._start_reload()
+            loaded = True
             self.partial = True
             try:
                 staged = {**self._host, **self._borrowed}
@@ -216,8 +217,18 @@ class CheckpointLoading:
         self._borrowed = {}
         self._finish()
 
+    # vLLM is the worker's own install (no extra of refit-core brings it): its reload is
+    # imported where a load runs, so this module imports in any process with the extra.
+    def _start_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self._holder.model)
+        self._reloading = True
+
     def _finish(self) -> None:
         if self._reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
             self._reloading = False
             finalize_layerwise_reload(self._holder.model, self._holder.model_config)
 

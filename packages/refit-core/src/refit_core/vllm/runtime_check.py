@@ -31,8 +31,8 @@ Failed to load weights``) and the engine keeps the old output layer.
 A parameter left on the old version, wholly or in part, fails the refit
 (:class:`~refit_core.errors.VerificationError`).
 
-Only a vLLM worker uses this module (it imports torch and xxhash, which the receivers'
-packages bring).
+Only a vLLM worker uses this module (it imports torch and xxhash, which the ``vllm`` extra
+installs).
 """
 
 from __future__ import annotations
@@ -43,10 +43,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import xxhash
-
 from refit_core.errors import RefitError, VerificationError
+from refit_core.extras import missing_extra
+
+try:  # the `vllm` extra installs them
+    import torch
+    import xxhash
+except ModuleNotFoundError as missing:
+    raise missing_extra(__name__, missing, "vllm") from missing
+
 from refit_core.vllm.write_map import Fill, Piece, WriteMap, int_view
 
 __all__ = ["COLUMNS", "RuntimeCheck", "bits_digest"]

@@ -26,8 +26,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from refit_core.extras import missing_extra
+
+try:  # the `vllm` extra installs torch
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ModuleNotFoundError as missing:
+    raise missing_extra(__name__, missing, "vllm") from missing
 
 __all__ = [
     "Fill",
