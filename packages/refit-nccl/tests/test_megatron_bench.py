@@ -19,10 +19,11 @@ def test_quick_bench_is_bitexact_and_sends_the_lower_bound() -> None:
     assert report.summary["bytes_vs_lower_bound"] == 1.0
     assert 0 < report.summary["bytes_fraction_of_naive"] <= 1.0
     assert {r["case"] for r in report.results} >= set(CHANGES)
+    cases = [str(r["case"]) for r in report.results]  # the summary's worst is over all of them
     reshard_time_vs_flat = Worst(
         [
             Ratio(Side("gbps", {"case": c}), Side("flat_gbps", {"case": c}), time=True)
-            for c in CHANGES
+            for c in cases
         ],
         pick="highest",
     )
