@@ -118,13 +118,13 @@ def test_a_cpu_worker_declares_host_buckets_unless_told_otherwise(engine: Engine
     from refit_nccl.backend import HOST_GEOMETRY
     from refit_nccl.vllm import VllmCollectiveGeneration
 
+    # An engine's workers answer together: every worker is called before any result is read.
     (workers,) = VllmCollectiveGeneration([engine.llm]).collective_shards().values()
-    declared = [w.call(CollectiveEngineRole.refit_geometry).result(60) for w in workers]
-    assert declared == [HOST_GEOMETRY] * engine.tp
+    asked = [w.call(CollectiveEngineRole.refit_geometry) for w in workers]
+    assert [f.result(60) for f in asked] == [HOST_GEOMETRY] * engine.tp
     (workers,) = _generation(engine).collective_shards().values()
-    assert workers[0].call(CollectiveEngineRole.refit_geometry).result(60).buffer_size_bytes == (
-        BUCKET_BYTES
-    )
+    asked = [w.call(CollectiveEngineRole.refit_geometry) for w in workers]
+    assert [f.result(60).buffer_size_bytes for f in asked] == [BUCKET_BYTES] * engine.tp
 
 
 def test_state_that_does_not_fit_the_engine_is_refused_before_any_byte(

@@ -29,10 +29,11 @@ def test_every_tensor_is_written_in_place_and_refits_equal_vllms_own_load(
     engine: Engine, checkpoints: Checkpoints
 ) -> None:
     from refit_zmq.vllm import VllmRelayGeneration
+    from refit_zmq.vllm.calls import Placement
     from refit_zmq.vllm.engines import call_workers
 
     generation = VllmRelayGeneration([engine.llm])
-    (placement,) = call_workers(engine.llm, "gpu engine", "placement", (), 300.0)
+    (placement,) = call_workers(engine.llm, "gpu engine", Placement(), 300.0)
     assert placement["shadow_bytes"] == 0 and placement["shadowed"] == [], placement["reasons"]
     proxy = CorruptingRelayProxy(generation.relay_addresses()[0])
 

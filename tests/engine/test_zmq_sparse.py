@@ -128,9 +128,10 @@ def test_every_worker_runs_a_relay_and_refits_equal_vllms_own_load(
     assert generate(llm, expect_cached=False) == engine.expected["B''"]
     assert llm.llm_engine.get_weight_version() == str(result.version)
     if engine.tp == 1:  # a worker holding whole tensors reads every one back, bit for bit
+        from refit_zmq.vllm.calls import CheckpointDigests
         from refit_zmq.vllm.engines import call_workers
 
-        (digests,) = call_workers(llm, "engine", "checkpoint_digests", (), 120.0)
+        (digests,) = call_workers(llm, "engine", CheckpointDigests(), 120.0)
         assert digests == state_digest(checkpoints.tensors["B''"].items())
     _refit(engine, synchronizer, policy, "B'")
     assert generate(llm) == engine.expected["B'"]

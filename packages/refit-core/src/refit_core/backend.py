@@ -2,8 +2,9 @@
 
 What a package that implements rows (or a subcommand) may use from core besides the user API
 of :mod:`refit_core`: how a row is declared and what its builder receives, the participant
-handles a controller drives, the structural types of the objects users hand in, deadlines and
-future helpers, and the plumbing shared by sources and receivers. Everything else in
+handles a controller drives, the typed calls into an engine's workers, the structural types
+of the objects users hand in, deadlines and future helpers, and the plumbing shared by
+sources and receivers. Everything else in
 ``refit_core`` is internal and may change in any release. A guide for backend authors is in
 refit-core's README.
 """
@@ -45,6 +46,7 @@ from refit_core.types import (
     checked_buffer_size,
     dtype_name,
 )
+from refit_core.worker_calls import WorkerCall, WorkerReply, answer, encode, reply_from_bytes
 
 __all__ = [
     "ENGINE_DTYPES",
@@ -66,7 +68,10 @@ __all__ = [
     "SynchronizerRequest",
     "Topology",
     "Unit",
+    "WorkerCall",
+    "WorkerReply",
     "align_columns",
+    "answer",
     "build_plan",
     "cast_once",
     "check_field_types",
@@ -75,6 +80,7 @@ __all__ = [
     "checkpoint_specs",
     "done",
     "dtype_name",
+    "encode",
     "failed",
     "fingerprint",
     "gather",
@@ -87,6 +93,7 @@ __all__ = [
     "plan_info",
     "probe_timeout_s",
     "refit_error_type",
+    "reply_from_bytes",
     "role_methods",
     "root_cause",
     "then",

@@ -112,9 +112,10 @@ class VllmFleet:
         return int(version) if version.isdigit() else None
 
     def _state_digests(self, llm: Any) -> dict[str, int]:
+        from refit_zmq.vllm.calls import CheckpointDigests
         from refit_zmq.vllm.engines import call_workers
 
-        (digests,) = call_workers(llm, "demo engine", "checkpoint_digests", (), _RPC_TIMEOUT_S)
+        (digests,) = call_workers(llm, "demo engine", CheckpointDigests(), _RPC_TIMEOUT_S)
         return dict(digests)
 
     def _generate(

@@ -33,31 +33,20 @@ from typing import Any
 from refit_core import EngineReport, EngineState, RefitError, RefitTimeoutError, WorkerError
 from refit_core.backend import (
     Participant,
+    WorkerReply,
     checked_buffer_size,
+    encode,
     in_thread,
-    method_name,
+    reply_from_bytes,
     with_engines,
 )
 from refit_core.vllm import VllmClient, VllmGate, vllm_client
-from refit_nccl.roles.contract import (
-    CollectiveEngineRole,
-    CollectiveStagingRole,
-    CommitStats,
-    JoinRequest,
-)
-from refit_nccl.vllm.calls import decode_reply, encode_call, reply_partial, reply_pending
+from refit_nccl.roles.contract import CollectiveEngineRole
+from refit_nccl.vllm.calls import EngineCall, Staging, engine_call
 
 __all__ = ["STAGING_POLL_S", "VllmCollectiveGeneration", "VllmWorkerParticipant"]
 
 logger = logging.getLogger(__name__)
-
-_COMMIT = method_name(CollectiveEngineRole.refit_commit)
-_TRANSFER = method_name(CollectiveEngineRole.refit_transfer)
-_JOIN = method_name(CollectiveEngineRole.refit_join)
-_STAGE = method_name(CollectiveStagingRole.refit_stage)
-_COMMIT_STAGED = method_name(CollectiveStagingRole.refit_commit_staged)
-_WRITES = frozenset({_TRANSFER, _COMMIT, _STAGE, _COMMIT_STAGED})
-_PAUSING = frozenset({_COMMIT, _COMMIT_STAGED})
 
 STAGING_POLL_S = 0.02
 """How often a staging's workers are asked whether they ended."""
@@ -93,136 +82,126 @@ class _EngineCalls:
         self._staged = staged
         self._control_timeout_s = control_timeout_s
         self._grace_s = grace_s
-        self._pending: dict[int, tuple[str, tuple[Any, ...], Future[Any]]] = {}
+        self._pending: dict[int, tuple[EngineCall[Any], Future[Any]]] = {}
         self._pending_lock = threading.Lock()
         self._rpc_lock = threading.Lock()
 
-    def submit(self, rank: int, method: str, args: tuple[Any, ...]) -> Future[Any]:
+    def submit(self, rank: int, call: EngineCall[Any]) -> Future[Any]:
         """Queue ``rank``'s call; the last worker's call starts the RPC. Never blocks."""
         future: Future[Any] = Future()
         with self._pending_lock:
-            if rank in self._pending or any(m != method for m, _, _ in self._pending.values()):
-                self._fail_pending(method)
-            self._pending[rank] = (method, args, future)
+            kinds = {type(c) for c, _ in self._pending.values()}
+            if rank in self._pending or kinds - {type(call)}:
+                self._fail_pending(call.operation)
+            self._pending[rank] = (call, future)
             if len(self._pending) < self.workers:
                 return future
             batch, self._pending = self._pending, {}
-        in_thread(self._run, method, batch, name=f"refit-{self.label}-{method}")
+        in_thread(self._run, batch, name=f"refit-{self.label}-{call.operation}")
         return future
 
-    def _fail_pending(self, method: str) -> None:
-        """Fail a batch that ``method`` interrupts (the synchronizer calls every worker)."""
-        for rank, (waiting, _, future) in self._pending.items():
+    def _fail_pending(self, operation: str) -> None:
+        """Fail a batch that ``operation`` interrupts (the synchronizer calls every worker)."""
+        for rank, (waiting, future) in self._pending.items():
             future.set_exception(
                 RefitError(
-                    f"{self.label} rank {rank}: {waiting} was not called on every worker "
-                    f"before {method}"
+                    f"{self.label} rank {rank}: {waiting.operation} was not called on every "
+                    f"worker before {operation}"
                 )
             )
         self._pending = {}
 
-    def _run(
-        self, method: str, batch: Mapping[int, tuple[str, tuple[Any, ...], Future[Any]]]
-    ) -> None:
-        args = batch[0][1]
-        requests = [encode_call(method, batch[rank][1]) for rank in range(self.workers)]
+    def _run(self, batch: Mapping[int, tuple[EngineCall[Any], Future[Any]]]) -> None:
+        calls = [batch[rank][0] for rank in range(self.workers)]
+        call = calls[0]
         try:
-            if method == _STAGE or (method == _TRANSFER and self._staged):
-                outcomes = self._outcomes(method, self._staging_replies(requests, args))
+            if call.stages(self._staged):
+                outcomes = self._outcomes(call, self._staging_replies(calls))
             else:
                 with self._rpc_lock:
-                    if method in _PAUSING or (method == _TRANSFER and not self._staged):
+                    if call.pauses(self._staged):
                         self.gate.close()
                     paused = time.perf_counter()
-                    replies = self._rpc("refit_nccl_call", self._timeout_s(method, args), requests)
-                    outcomes = self._outcomes(method, replies)
-                if method == _COMMIT_STAGED and not any(isinstance(o, Exception) for o in outcomes):
+                    bound = call.rpc_timeout_s(self._control_timeout_s, self._grace_s)
+                    outcomes = self._outcomes(call, self._rpc(calls, bound))
+                if not any(isinstance(o, Exception) for o in outcomes):
                     # The engine was paused from ``paused`` until the outcomes reopened it.
                     held_s = time.perf_counter() - paused
-                    outcomes = [CommitStats(o.version, held_s) for o in outcomes]
+                    outcomes = [call.timed(o, held_s) for o in outcomes]
         except Exception as exc:
             state = EngineState.CLOSED if self.gate.closed else EngineState.UNKNOWN
             report = EngineReport(self.shard, self.label, state, None, str(exc))
             error = with_engines(
-                WorkerError(f"{type(exc).__name__}: {exc}", worker=self.label, operation=method),
+                WorkerError(
+                    f"{type(exc).__name__}: {exc}", worker=self.label, operation=call.operation
+                ),
                 [report],
             )
-            for _, _, future in batch.values():
+            for _, future in batch.values():
                 future.set_exception(error)
             return
-        for rank, (_, _, future) in batch.items():
+        for rank, (_, future) in batch.items():
             outcome = outcomes[rank]
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
 
-    def _rpc(self, method: str, timeout_s: float | None, *args: Any) -> list[bytes]:
-        """``method(*args)`` on every worker of the engine; their replies in rank order."""
-        replies: list[bytes] = self.gate.client.collective_rpc(method, timeout_s, args)
-        return replies
+    def _rpc(
+        self, calls: Sequence[EngineCall[Any]], timeout_s: float | None
+    ) -> list[WorkerReply[Any]]:
+        """Each worker's call (``calls[rank]``), in one RPC; their replies in rank order.
 
-    def _staging_replies(self, requests: list[bytes], args: tuple[Any, ...]) -> list[bytes]:
-        """Start the staging on every worker, then poll them until each ended; the replies
-        (``args``: the version and the time left, as a transfer's).
+        Raises:
+            ProtocolError: a worker answered with something other than a reply.
+        """
+        requests = [encode(c) for c in calls]
+        replies = self.gate.client.collective_rpc("refit_nccl_call", timeout_s, (requests,))
+        return [reply_from_bytes(r, f"{self.label} rank {i}") for i, r in enumerate(replies)]
+
+    def _staging_replies(self, calls: Sequence[EngineCall[Any]]) -> list[WorkerReply[Any]]:
+        """Start the staging on every worker, then poll them until each ended; the replies.
 
         Raises:
             RefitTimeoutError: a worker still stages past the call's deadline plus grace.
         """
-        timeout_s = self._timeout_s(_STAGE, args)
+        timeout_s = calls[0].rpc_timeout_s(self._control_timeout_s, self._grace_s)
         ends = None if timeout_s is None else time.monotonic() + timeout_s
         with self._rpc_lock:
-            replies = self._rpc("refit_nccl_call", self._control_timeout_s, requests)
-        while not any(self._failed(r) for r in replies):
+            replies = self._rpc(calls, self._control_timeout_s)
+        polls = [Staging()] * self.workers
+        while all(r.ok for r in replies):
             time.sleep(STAGING_POLL_S)
             with self._rpc_lock:
-                replies = self._rpc("refit_nccl_staging", self._control_timeout_s)
-            if not any(reply_pending(r, self.label) for r in replies):
+                replies = self._rpc(polls, self._control_timeout_s)
+            if not any(r.ok and r.result is None for r in replies):
                 break
             if ends is not None and time.monotonic() > ends:
                 raise RefitTimeoutError(f"{self.label}: still staging past its deadline")
         return replies
 
-    def _failed(self, reply: bytes) -> bool:
-        try:
-            decode_reply(reply, self.label, _STAGE)
-        except RefitError:
-            return True
-        return False
-
-    def _outcomes(self, method: str, replies: list[bytes]) -> list[Any]:
+    def _outcomes(self, call: EngineCall[Any], replies: list[WorkerReply[Any]]) -> list[Any]:
         """Each rank's result or error; opens the engine where the call allows it."""
         if len(replies) != self.workers:
             raise RefitError(f"{self.label}: {len(replies)} workers answered, not {self.workers}")
         outcomes: list[Any] = []
         for rank, reply in enumerate(replies):
             try:
-                outcomes.append(decode_reply(reply, f"{self.label} rank {rank}", method))
+                outcomes.append(reply.unwrap(f"{self.label} rank {rank}", call.operation))
             except RefitError as exc:
                 outcomes.append(exc)
-        if method not in _WRITES:
+        if not call.writes:
             return outcomes
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if not failed:
-            if method == _COMMIT:
-                self.gate.open(int(outcomes[0]))
-            elif method == _COMMIT_STAGED:
-                self.gate.open(outcomes[0].version)
+            served = call.served(outcomes[0])
+            if served is not None:
+                self.gate.open(served)
             return outcomes
-        partial = any(reply_partial(r, self.label) for r in replies)
+        partial = any(r.partial for r in replies)
         report = self.gate.settle(self.shard, partial=partial, reason=str(failed[0]))
-        logger.warning("%s: %s failed; engine %s", self.label, method, report.state.value)
+        logger.warning("%s: %s failed; engine %s", self.label, call.operation, report.state.value)
         return [with_engines(o, [report]) if isinstance(o, RefitError) else o for o in outcomes]
-
-    def _timeout_s(self, method: str, args: tuple[Any, ...]) -> float | None:
-        """The RPC's bound: the call's own deadline plus grace, else the control timeout."""
-        if method in (_TRANSFER, _STAGE):
-            left: float | None = args[1]
-        elif method == _JOIN and isinstance(args[0], JoinRequest):
-            left = args[0].timeout_s
-        else:
-            return self._control_timeout_s
-        return None if left is None else left + self._grace_s
 
 
 class VllmWorkerParticipant(Participant[CollectiveEngineRole]):
@@ -247,7 +226,7 @@ class VllmWorkerParticipant(Participant[CollectiveEngineRole]):
         """
         if kwargs:
             raise TypeError(f"{name}: calls over vLLM's RPC take positional arguments only")
-        return self._engine.submit(self._rank, name, args)
+        return self._engine.submit(self._rank, engine_call(name, args))
 
     def close(self) -> None:
         """Nothing to release: the engine belongs to whoever started it."""

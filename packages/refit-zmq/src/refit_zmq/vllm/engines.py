@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from refit_core import EngineReport, EngineState, RefitError, WorkerError
-from refit_core.backend import refit_error_type
+from refit_core.backend import encode, refit_error_type, reply_from_bytes
 from refit_core.vllm import VllmGate, vllm_client
+from refit_zmq.vllm.calls import Address, InitReceiver, Partial, ZmqCall
 
 __all__ = ["VllmEngine", "call_workers", "start_receivers"]
 
 logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 
 class VllmEngine:
@@ -35,21 +38,20 @@ class VllmEngine:
         self.gate = VllmGate(llm, self.label)
         self._timeout_s = timeout_s
 
-    def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """``method(*args)`` on every worker (through ``refit_zmq_call``); one result per
-        worker.
+    def rpc(self, call: ZmqCall[_R], *, timeout_s: float | None = None) -> list[_R]:
+        """``call`` on every worker (through ``refit_zmq_call``); one result per worker.
 
         Raises:
             WorkerError: naming the workers that failed.
         """
         bound = self._timeout_s if timeout_s is None else timeout_s
-        return call_workers(self.gate.client, self.label, method, args, bound)
+        return call_workers(self.gate.client, self.label, call, bound)
 
     def settle(self, reason: str) -> EngineReport:
         """After a failed refit: closed if a worker's model was written, else reopened on the
         weights it holds; unknown if the workers cannot be asked (left closed if it was)."""
         try:
-            partial = any(self.rpc("partial"))
+            partial = any(self.rpc(Partial()))
         except Exception as exc:
             logger.warning("%s: cannot ask its workers after a failure: %s", self.label, exc)
             state = EngineState.CLOSED if self.gate.closed else EngineState.UNKNOWN
@@ -65,30 +67,33 @@ def start_receivers(
     started = []
     for shard, llm in enumerate(engines):
         label = f"vllm engine {shard}"
-        call_workers(llm, label, "init_weight_transfer_engine", (init_info,), timeout_s)
-        addresses = call_workers(llm, label, "address", (), timeout_s)
+        call_workers(llm, label, InitReceiver(init_info), timeout_s)
+        addresses = call_workers(llm, label, Address(), timeout_s)
         started.append(VllmEngine(llm, shard, addresses, timeout_s))
     return started
 
 
-def call_workers(
-    llm: Any, label: str, method: str, args: tuple[Any, ...], timeout_s: float | None
-) -> list[Any]:
-    """``method(*args)`` on every worker of ``llm`` (a ``vllm.LLM`` or a
+def call_workers(llm: Any, label: str, call: ZmqCall[_R], timeout_s: float | None) -> list[_R]:
+    """``call`` on every worker of ``llm`` (a ``vllm.LLM`` or a
     :class:`~refit_core.vllm.VllmClient`) through ``refit_zmq_call``; one result per worker.
 
     Raises:
         RefitError: the specific refit error every failed worker raised (by its type's name:
             :class:`~refit_core.VerificationError`, ...), naming the workers (ranks) and why.
         WorkerError: naming the workers that failed otherwise, and why.
+        ProtocolError: a worker answered with something other than a reply.
     """
-    replies = vllm_client(llm).collective_rpc("refit_zmq_call", timeout_s, (method, *args))
-    failed = {rank: value for rank, (ok, value) in enumerate(replies) if not ok}
+    data, operation = encode(call), type(call).__name__
+    answers = vllm_client(llm).collective_rpc("refit_zmq_call", timeout_s, (data,))
+    replies = [reply_from_bytes(a, f"{label} rank {rank}") for rank, a in enumerate(answers)]
+    failed = {rank: reply for rank, reply in enumerate(replies) if not reply.ok}
     if failed:
-        reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
-        names = {str(reason).partition(":")[0] for reason in failed.values()}
+        reasons = "; ".join(
+            f"rank {rank}: {r.error_type}: {r.error_message}" for rank, r in failed.items()
+        )
+        names = {r.error_type or "" for r in failed.values()}
         raised = refit_error_type(names.pop()) if len(names) == 1 else None
         if raised not in (None, RefitError, WorkerError):
-            raise raised(f"{label}: {method}: {reasons}")
-        raise WorkerError(reasons, worker=label, operation=method)
-    return [value for _, value in replies]
+            raise raised(f"{label}: {operation}: {reasons}")
+        raise WorkerError(reasons, worker=label, operation=operation)
+    return [reply.result for reply in replies]  # type: ignore[misc]  # every reply is ok

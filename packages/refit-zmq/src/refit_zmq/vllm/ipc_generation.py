@@ -18,6 +18,7 @@ from typing import Any
 
 from refit_core import EngineHealth, EngineReport, EngineStatus, FleetStatus, RefitError
 from refit_core.backend import with_engines
+from refit_zmq.vllm.calls import FinishUpdate, Partial, StartUpdate, UpdateWeights, Versions
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmIpcGeneration"]
@@ -74,9 +75,9 @@ class VllmIpcGeneration:
     def _serve(self, engine: VllmEngine, timeout_s: float | None) -> None:
         if not self._staged:
             engine.gate.close()
-        engine.rpc("start_weight_update")
+        engine.rpc(StartUpdate())
         bound = None if timeout_s is None else timeout_s + self._grace_s
-        engine.rpc("update_weights", {"timeout_s": timeout_s}, timeout_s=bound)
+        engine.rpc(UpdateWeights({"timeout_s": timeout_s}), timeout_s=bound)
 
     def refit_finished(self, version: int, committed: bool) -> None:
         """End every session: after a commit each engine loads the refit and serves
@@ -99,7 +100,7 @@ class VllmIpcGeneration:
                 if committed:
                     self._load(engine, version)
                     continue
-                engine.rpc("finish_weight_update")
+                engine.rpc(FinishUpdate())
                 reports.append(engine.settle(f"refit {version} aborted"))
             except Exception as exc:
                 logger.warning("%s: refit %d failed here: %s", engine.label, version, exc)
@@ -112,8 +113,8 @@ class VllmIpcGeneration:
 
     def _load(self, engine: VllmEngine, version: int) -> None:
         engine.gate.close()
-        engine.rpc("update_weights", {"apply": True})
-        engine.rpc("finish_weight_update")
+        engine.rpc(UpdateWeights({"apply": True}))
+        engine.rpc(FinishUpdate())
         engine.gate.open(version)
 
     def fleet_status(self) -> FleetStatus:
@@ -123,8 +124,8 @@ class VllmIpcGeneration:
         statuses: list[tuple[str, EngineHealth, int | None, int | None, str | None]] = []
         for engine in self._engines:
             try:
-                versions = engine.rpc("versions")
-                partial = any(engine.rpc("partial"))
+                versions = engine.rpc(Versions())
+                partial = any(engine.rpc(Partial()))
             except RefitError as exc:
                 detail = f"{type(exc).__name__}: {exc}"[:200]
                 statuses += [

@@ -25,6 +25,7 @@ from refit_core import EngineReport, EngineState, RefitError, WorkerError
 from refit_core.backend import with_engines
 from refit_core.vllm import VllmClient, vllm_client
 from refit_zmq.lora.load import AdapterLoad, adapter_path, served_name
+from refit_zmq.vllm.calls import LoraDrop, LoraLoad, LoraServe, LoraStatus, ZmqCall
 from refit_zmq.vllm.engines import call_workers
 
 __all__ = ["AdapterOnEngine", "VllmLoraGeneration"]
@@ -32,6 +33,7 @@ __all__ = ["AdapterOnEngine", "VllmLoraGeneration"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 FIRST_LORA_ID = 1 << 20
 """LoRA ids refit gives out start here, above the small ids applications pick by hand."""
@@ -127,7 +129,7 @@ class VllmLoraGeneration:
     def _status(self, shard: int, adapter: str, timeout_s: float | None) -> AdapterOnEngine:
         label = self._labels[shard]
         try:
-            replies = self._call(shard, "lora_status", (adapter,), timeout_s)
+            replies = self._call(shard, LoraStatus(adapter), timeout_s)
         except Exception as exc:
             return AdapterOnEngine(shard, label, error=f"{type(exc).__name__}: {exc}")
         serving = {r["serving"] for r in replies}
@@ -177,16 +179,12 @@ class VllmLoraGeneration:
 
         with carried(load.payloads, shared_memory=self._shared_memory) as payloads:
             message = load.to_message(payloads)
-            outcomes = self._each(
-                lambda shard: self._try(shard, "lora_load", (message,), timeout_s)
-            )
+            outcomes = self._each(lambda shard: self._try(shard, LoraLoad(message), timeout_s))
         failures = {self._labels[s]: error for s, (_, error) in enumerate(outcomes) if error}
         if not failures:
             steps = [step for replies, _ in outcomes for step in replies or ()]
             return {f"engine_{k}": max(float(s[k]) for s in steps) for k in ("apply", "register")}
-        self._each(
-            lambda shard: self._try(shard, "lora_drop", (load.adapter, load.version), timeout_s)
-        )
+        self._each(lambda shard: self._try(shard, LoraDrop(load.adapter, load.version), timeout_s))
         served = self._served_version(load.adapter)
         reports = [
             EngineReport(shard, label, EngineState.OLD, served, failures.get(label))
@@ -215,7 +213,7 @@ class VllmLoraGeneration:
         def serve(shard: int) -> tuple[list[Any] | None, str | None]:
             in_flight = self._in_flight(shard, load.adapter)
             keep = None if in_flight is None else before + in_flight
-            return self._try(shard, "lora_serve", (load.adapter, load.version, keep), timeout_s)
+            return self._try(shard, LoraServe(load.adapter, load.version, keep), timeout_s)
 
         outcomes = self._each(serve)
         logger.info(
@@ -251,18 +249,16 @@ class VllmLoraGeneration:
         names = {getattr(state, "lora_name", None) for state in list(states.values())}
         return sorted(_version_of(n) for n in names if isinstance(n, str) and n.startswith(prefix))
 
-    def _call(
-        self, shard: int, method: str, args: tuple[Any, ...], timeout_s: float | None
-    ) -> list[Any]:
+    def _call(self, shard: int, call: ZmqCall[_R], timeout_s: float | None) -> list[_R]:
         bound = self._timeout_s if timeout_s is None else timeout_s
-        return call_workers(self._clients[shard], self._labels[shard], method, args, bound)
+        return call_workers(self._clients[shard], self._labels[shard], call, bound)
 
     def _try(
-        self, shard: int, method: str, args: tuple[Any, ...], timeout_s: float | None
-    ) -> tuple[list[Any] | None, str | None]:
+        self, shard: int, call: ZmqCall[_R], timeout_s: float | None
+    ) -> tuple[list[_R] | None, str | None]:
         """The workers' replies, or why the call failed."""
         try:
-            return self._call(shard, method, args, timeout_s), None
+            return self._call(shard, call, timeout_s), None
         except WorkerError as exc:
             return None, str(exc)
         except Exception as exc:

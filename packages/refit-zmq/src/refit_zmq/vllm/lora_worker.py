@@ -14,7 +14,7 @@ A request for a version the store no longer holds fails inside the engine's step
 vLLM treats as fatal: versions are dropped only when no request can still name them
 (:class:`~refit_zmq.vllm.lora_generation.VllmLoraGeneration`).
 
-Only a vLLM worker imports this module (through the worker extension's ``lora_*`` calls).
+Only a vLLM worker imports this module (through the worker extension's LoRA calls).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from refit_zmq.lora.carrier import opened
 from refit_zmq.lora.load import SCHEME, AdapterLoad, adapter_path, served_name
 from refit_zmq.lora.store import AdapterStore, HeldVersion
 
-__all__ = ["lora_call"]
+__all__ = ["WorkerAdapters", "worker_adapters"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,20 +168,14 @@ def _check_modules(held: HeldVersion, targetable: set[str], mapper: Any) -> None
         )
 
 
-def lora_call(worker: Any, method: str, args: tuple[Any, ...]) -> Any:
-    """One ``lora_*`` call of the worker extension: ``lora_load(message)``,
-    ``lora_serve(adapter, version, keep)``, ``lora_drop(adapter, version)``,
-    ``lora_status(adapter)``."""
+def worker_adapters(worker: Any) -> WorkerAdapters:
+    """The worker's adapters (built, and its LoRA manager given refit's source, on first use).
+
+    Raises:
+        RefitError: the engine serves no LoRA adapters.
+    """
     adapters = getattr(worker, _ATTRIBUTE, None)
     if adapters is None:
         adapters = WorkerAdapters(worker)
         setattr(worker, _ATTRIBUTE, adapters)
-    if method == "lora_load":
-        return adapters.load(*args)
-    if method == "lora_serve":
-        return adapters.serve(*args)
-    if method == "lora_drop":
-        return adapters.drop(*args)
-    if method == "lora_status":
-        return adapters.store.status(*args)
-    raise RefitError(f"{method!r} is not a refit LoRA call")
+    return adapters

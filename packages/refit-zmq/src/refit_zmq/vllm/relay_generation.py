@@ -17,6 +17,7 @@ from typing import Any
 
 from refit_core import EngineReport, EngineState, Recovery, RefitError
 from refit_core.backend import with_engines
+from refit_zmq.vllm.calls import FinishUpdate, StartUpdate, UpdateWeights
 from refit_zmq.vllm.engines import VllmEngine, start_receivers
 
 __all__ = ["VllmRelayGeneration"]
@@ -90,7 +91,7 @@ class VllmRelayGeneration:
     @staticmethod
     def _serve(engine: VllmEngine, version: int) -> None:
         engine.gate.close()
-        engine.rpc("start_weight_update")
-        engine.rpc("update_weights", {"version": version})
-        engine.rpc("finish_weight_update")
+        engine.rpc(StartUpdate())
+        engine.rpc(UpdateWeights({"version": version}))
+        engine.rpc(FinishUpdate())
         engine.gate.open(version)
