@@ -57,8 +57,8 @@ def test_import_and_factory_errors_load_nothing_heavy() -> None:
         "NotImplementedError",
         "ValueError" if report["nccl"] else missing,
         "ValueError",
-        "ValueError",
-        "ValueError",
+        "InvalidTimeoutError",
+        "InvalidTimeoutError",
     ]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from refit_core import (
     DeadlineTooShortError,
+    InvalidTimeoutError,
     Recovery,
     RefitError,
     RefitResult,
@@ -148,7 +149,7 @@ def test_reconcile_without_change_is_noop_and_absent_shards_refused_without_memb
 
 
 def test_invalid_timeout_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(InvalidTimeoutError, match="refit_timeout_s must be None or a positive"):
         RecordingSynchronizer(refit_timeout_s=0)
 
 

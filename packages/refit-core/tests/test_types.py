@@ -11,6 +11,7 @@ from refit_core import (
     BackendNotInstalledError,
     EngineReport,
     EngineState,
+    InvalidTimeoutError,
     Recovery,
     RefitAbortedError,
     RefitError,
@@ -162,7 +163,7 @@ def test_deadline_arithmetic() -> None:
     with pytest.raises(RefitTimeoutError, match="before the broadcast"):
         d.check("the broadcast")
     for bad in (0, -1, float("inf"), float("nan")):
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidTimeoutError):
             Deadline.after(bad)
 
 

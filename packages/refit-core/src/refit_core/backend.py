@@ -9,7 +9,7 @@ refit-core's README.
 """
 
 from refit_core.checkpoint import checkpoint_specs
-from refit_core.deadline import Deadline, probe_timeout_s
+from refit_core.deadline import Deadline, checked_timeout_s, probe_timeout_s
 from refit_core.engine_hooks import notify
 from refit_core.errors import refit_error_type, with_engines
 from refit_core.facade import lazy_facade
@@ -71,6 +71,7 @@ __all__ = [
     "cast_once",
     "check_field_types",
     "checked_buffer_size",
+    "checked_timeout_s",
     "checkpoint_specs",
     "done",
     "dtype_name",

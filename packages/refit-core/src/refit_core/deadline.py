@@ -1,4 +1,11 @@
-"""Deadlines that every network and collective call of a refit derives its timeout from."""
+"""Deadlines that every network and collective call of a refit derives its timeout from.
+
+A refit's deadline is made once, at the public entry point, from a timeout checked by
+:func:`checked_timeout_s` (the one rule: None, or a positive finite number of seconds), and
+passed explicitly to every internal call. It crosses processes in one form,
+:meth:`Deadline.to_wire` / :meth:`Deadline.from_wire`: the seconds left (monotonic clocks of
+two processes or hosts do not agree, so an absolute time would not travel).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,30 @@ import math
 import time
 from dataclasses import dataclass
 
-from refit_core.errors import RefitTimeoutError
+from refit_core.errors import InvalidTimeoutError, ProtocolError, RefitTimeoutError
 
-__all__ = ["Deadline", "probe_timeout_s"]
+__all__ = ["Deadline", "checked_timeout_s", "probe_timeout_s"]
+
+
+def checked_timeout_s(name: str, value: object) -> float | None:
+    """``value`` as a timeout in seconds, by the one rule every timeout refit is given
+    follows: None (no deadline) or a positive finite number (a bool is not one).
+
+    Raises:
+        InvalidTimeoutError: anything else; the message names ``name`` and the value.
+    """
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidTimeoutError(
+            f"{name} must be None or a positive finite number of seconds, got {value!r}"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -18,13 +46,36 @@ class Deadline:
     at: float | None
 
     @classmethod
-    def after(cls, timeout_s: float | None) -> Deadline:
-        """A deadline ``timeout_s`` seconds from now; ``None`` disarms it."""
-        if timeout_s is None:
+    def after(cls, timeout_s: float | None, *, name: str = "timeout_s") -> Deadline:
+        """A deadline ``timeout_s`` seconds from now; ``None`` disarms it.
+
+        Raises:
+            InvalidTimeoutError: ``timeout_s`` breaks :func:`checked_timeout_s`'s rule (the
+                message names it ``name``).
+        """
+        checked = checked_timeout_s(name, timeout_s)
+        return cls(None if checked is None else time.monotonic() + checked)
+
+    @classmethod
+    def from_wire(cls, left_s: object) -> Deadline:
+        """The deadline a peer sent as :meth:`to_wire`, counted from its arrival here (0:
+        already passed; None: disarmed).
+
+        Raises:
+            ProtocolError: ``left_s`` is not None or a non-negative finite number.
+        """
+        if left_s is None:
             return cls(None)
-        if not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
-        return cls(time.monotonic() + timeout_s)
+        if (
+            isinstance(left_s, bool)
+            or not isinstance(left_s, int | float)
+            or not math.isfinite(left_s)
+            or left_s < 0
+        ):
+            raise ProtocolError(
+                f"a deadline on the wire is None or the seconds left (>= 0), got {left_s!r}"
+            )
+        return cls(time.monotonic() + left_s)
 
     @classmethod
     def never(cls) -> Deadline:
@@ -35,6 +86,11 @@ class Deadline:
     def armed(self) -> bool:
         """Whether there is a deadline at all."""
         return self.at is not None
+
+    def to_wire(self) -> float | None:
+        """The deadline as it crosses a process boundary: the seconds left (0 once passed),
+        or None when disarmed; :meth:`from_wire` reads it back."""
+        return self.remaining_s()
 
     def remaining_s(self) -> float | None:
         """Seconds left (never negative), or None when disarmed."""

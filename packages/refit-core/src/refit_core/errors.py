@@ -30,6 +30,7 @@ __all__ = [
     "EngineReport",
     "EngineState",
     "GeometryMismatchError",
+    "InvalidTimeoutError",
     "ProtocolError",
     "Recovery",
     "RefitAbortedError",
@@ -249,6 +250,10 @@ class VerificationError(RefitError):
 
 class GeometryMismatchError(RefitError, ValueError):
     """Sender and receiver disagree on the transfer plan (names, dtypes, shapes, buckets)."""
+
+
+class InvalidTimeoutError(RefitError, ValueError):
+    """A timeout given to refit is not None or a positive finite number of seconds."""
 
 
 class ProtocolError(RefitError, ValueError):

@@ -6,6 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from refit_core.deadline import checked_timeout_s
 from refit_core.registry import InstalledRow, find_row, load_builder, load_options_type
 from refit_core.request import SynchronizerRequest
 
@@ -93,8 +94,9 @@ def create_weight_synchronizer(
             ``IpcOptions``, ...); their type must be the one the row declares.
 
     Raises:
-        ValueError: unknown backend or transport, a non-positive size or timeout, a cluster
-            the row needs that is missing or lacks a method, or options of another row.
+        InvalidTimeoutError: ``refit_timeout_s`` is not None or a positive finite number.
+        ValueError: unknown backend or transport, a non-positive size, a cluster the row
+            needs that is missing or lacks a method, or options of another row.
         NotImplementedError: an unsupported combination (colocated dynamo), or a row its
             installed package does not implement yet.
         BackendNotInstalledError: the row's package is missing; the message says what to install.
@@ -102,7 +104,7 @@ def create_weight_synchronizer(
     if not isinstance(colocated, bool):
         raise ValueError(f"colocated must be a bool, got {type(colocated).__name__}")
     _check_positive("refit_buffer_size_gb", refit_buffer_size_gb)
-    _check_positive("refit_timeout_s", refit_timeout_s)
+    refit_timeout_s = checked_timeout_s("refit_timeout_s", refit_timeout_s)
     installed = find_row(generation_backend, colocated, transport)
     row = installed.row
     _check_cluster("train_cluster", train_cluster, row.train_cluster, row.key)

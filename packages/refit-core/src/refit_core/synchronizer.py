@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
-from refit_core.deadline import Deadline
+from refit_core.deadline import Deadline, checked_timeout_s
 from refit_core.errors import (
     EngineReport,
     EngineState,
@@ -60,8 +60,9 @@ class WeightSynchronizer(ABC):
     """Whether the row implements the two phases (:meth:`stage_weights`, :meth:`commit_weights`)."""
 
     def __init__(self, *, refit_timeout_s: float | None = None) -> None:
-        Deadline.after(refit_timeout_s)  # validates the value
-        self.refit_timeout_s = refit_timeout_s
+        """Raises :class:`InvalidTimeoutError` for a ``refit_timeout_s`` that is not None
+        or a positive finite number (the rule of every public entry point)."""
+        self.refit_timeout_s = checked_timeout_s("refit_timeout_s", refit_timeout_s)
         self._version = WeightVersion(0)
         self._high_water = WeightVersion(0)
         self._staged: StagedRefit | None = None
@@ -420,7 +421,8 @@ class WeightSynchronizer(ABC):
     # -- helpers ----------------------------------------------------------------------
 
     def _deadline(self) -> Deadline:
-        return Deadline.after(self.refit_timeout_s)
+        """The deadline of one public call, made here and passed to every hook it runs."""
+        return Deadline.after(self.refit_timeout_s, name="refit_timeout_s")
 
     def _live(self, fleet: FleetStatus) -> FleetStatus:
         """``fleet`` without the shards left out of the communicator."""

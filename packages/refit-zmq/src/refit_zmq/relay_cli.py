@@ -96,6 +96,7 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from refit_core import RefitError
+    from refit_core.backend import Deadline
     from refit_zmq.relay.coordinator.coordinator import RelayCoordinator
     from refit_zmq.relay.wire.auth import api_key_from_env
     from refit_zmq.relay.wire.curve import CurveConfig
@@ -106,7 +107,10 @@ def _status(args: argparse.Namespace) -> int:
         curve=CurveConfig.from_env(),
     )
     try:
-        statuses = coordinator.status(digests=args.digests, relays=args.relays)
+        # no refit to bound: each relay gets the usual attempts of --timeout-s
+        statuses = coordinator.status(
+            digests=args.digests, relays=args.relays, deadline=Deadline.never()
+        )
     finally:
         coordinator.close()
     report: dict[str, Any] = {

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from refit_core import WeightVersion
-from refit_core.backend import LocalParticipant
+from refit_core.backend import Deadline, LocalParticipant
 from refit_core.sources import StateDictSource
 from refit_lab.faults import fault_self, stop_process
 from refit_zmq.codec import tensor_digest
@@ -369,6 +369,7 @@ class Trainer:
             resync=resync,
             options=options,
             expected_digests=digests(self.state),
+            deadline=Deadline.never(),
         )
         self.version += 1
         return result
@@ -385,7 +386,7 @@ def fresh_trainer(
     """A trainer on ``make_state(seed)``; every relay is first brought to it by a dense resync."""
     versions = [
         status.version
-        for status in coordinator.close_open_transfers().values()
+        for status in coordinator.close_open_transfers(deadline=Deadline.never()).values()
         if isinstance(status, RelayStatus) and status.version is not None
     ]
     trainer = Trainer(make_state(seed), max(versions, default=0), shard_count)
@@ -397,5 +398,5 @@ def held_digests(coordinator: RelayCoordinator) -> dict[str, dict[str, int] | No
     """Relay -> the digests it holds (None for a relay that did not answer)."""
     return {
         address: dict(status.digests or {}) if isinstance(status, RelayStatus) else None
-        for address, status in coordinator.status(digests=True).items()
+        for address, status in coordinator.status(digests=True, deadline=Deadline.never()).items()
     }

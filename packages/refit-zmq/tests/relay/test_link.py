@@ -19,6 +19,7 @@ import zmq
 from relay_helpers import TUNING, fresh_trainer, make_state
 
 from refit_core import AuthenticationError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_zmq.relay import RelayCoordinator, RelayStatus, TensorReceiver, ZmqSparseRefitServer
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode
@@ -131,13 +132,13 @@ def test_relays_and_the_coordinator_keep_answering_after_a_relay_died() -> None:
     addresses = [survivor.start(), victim.start()]
     coordinator = RelayCoordinator(api_key=None, timeout_s=2.0, tuning=tuning)
     try:
-        coordinator.configure_tree(addresses)
+        coordinator.configure_tree(addresses, deadline=Deadline.never())
         fresh_trainer(coordinator, seed=5).close()  # the survivor forwarded to the victim
         victim.close()
         time.sleep(IDLE_S)  # the survivor's and the coordinator's links to the victim idle
-        coordinator.configure_tree(addresses[:1])
+        coordinator.configure_tree(addresses[:1], deadline=Deadline.never())
         time.sleep(IDLE_S)
-        status = coordinator.status()[addresses[0]]
+        status = coordinator.status(deadline=Deadline.never())[addresses[0]]
         assert isinstance(status, RelayStatus), f"the survivor went deaf: {status}"
     finally:
         coordinator.close()

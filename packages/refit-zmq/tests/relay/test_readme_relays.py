@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from relay_helpers import TUNING, Trainer, digests, make_state
 
+from refit_core.backend import Deadline
 from refit_zmq.relay import RelayCoordinator, RelayStatus
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,9 +90,9 @@ def test_a_tree_of_relay_processes_stands_up_and_commits(
     coordinator = RelayCoordinator(api_key=None, timeout_s=10.0, tuning=TUNING)
     trainer = Trainer(make_state(3), version=0)
     try:
-        coordinator.configure_tree(addresses)
+        coordinator.configure_tree(addresses, deadline=Deadline.never())
         trainer.transfer(coordinator, resync=True)
-        held = coordinator.status(digests=True)
+        held = coordinator.status(digests=True, deadline=Deadline.never())
         assert all(
             isinstance(s, RelayStatus) and s.digests == digests(trainer.state) and s.version == 1
             for s in held.values()

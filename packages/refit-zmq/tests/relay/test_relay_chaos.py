@@ -24,6 +24,7 @@ import pytest
 from relay_helpers import TUNING, LaunchedRelay, State, digests, start_launched, step_state
 
 from refit_core import RefitError, TensorSpec, WeightVersion
+from refit_core.backend import Deadline
 from refit_core.sources import StateDictSource
 from refit_zmq.relay import RelayCoordinator, RelayStatus
 from refit_zmq.relay.launch import parse_shapes, random_state
@@ -152,7 +153,9 @@ class Chaos:
     def check(self, relay: LaunchedRelay, *, final: bool) -> bool:
         """Whether ``relay`` holds exactly the bits of its version (False, to look again
         later, while it holds an open transfer, unless ``final``)."""
-        (status,) = self.probe.status(digests=True, relays=[relay.address]).values()
+        (status,) = self.probe.status(
+            digests=True, relays=[relay.address], deadline=Deadline.never()
+        ).values()
         assert isinstance(status, RelayStatus), f"live relay {relay.address} silent: {status}"
         if status.open_transfers:
             assert not final, f"{relay.address} still holds {sorted(status.open_transfers)}"
@@ -302,7 +305,9 @@ def _run(chaos: Chaos, *, transfers: int | None = None, seconds: float | None = 
             chaos.sync.reconcile_communicator(())
         assert chaos.refit(), "the refit after a fault, or without one, commits"
         chaos.check_live()
-        answered = chaos.probe.status(relays=[r.address for r in chaos.relays])
+        answered = chaos.probe.status(
+            relays=[r.address for r in chaos.relays], deadline=Deadline.never()
+        )
         assert all(isinstance(s, RelayStatus) for s in answered.values()), answered
     chaos.due_rechecks(wait=True)
 

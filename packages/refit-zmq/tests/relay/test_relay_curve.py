@@ -11,6 +11,7 @@ import zmq.auth
 from relay_helpers import KEY, KEY_VAR, TUNING, RelayFleet, RelaySpec, fresh_trainer, held_digests
 
 from refit_core import AuthenticationError, RefitTimeoutError, WeightVersion
+from refit_core.backend import Deadline
 from refit_zmq.relay import (
     CurveConfig,
     RelayCoordinator,
@@ -41,7 +42,7 @@ def test_only_clients_holding_the_server_key_get_through(
     assert KEYS.server_secret_key.decode() not in repr(KEYS)
     coordinator = RelayCoordinator(api_key=api_key, timeout_s=3.0, tuning=TUNING, curve=public)
     try:
-        coordinator.configure_tree(curve_relay.addresses)
+        coordinator.configure_tree(curve_relay.addresses, deadline=Deadline.never())
         trainer = fresh_trainer(coordinator, seed=51, api_key_env_var=KEY_VAR, curve=public)
         before = held_digests(coordinator)
         trainer.step(seed=52)
@@ -72,10 +73,11 @@ def test_only_clients_holding_the_server_key_get_through(
                     checksum=payload.checksum,
                     verification_candidates=0,
                     body=payload,
+                    deadline=Deadline.never(),
                 )
         trainer.shards[0].tracker.abort()
         assert held_digests(coordinator) == before
-        status = next(iter(coordinator.status().values()))
+        status = next(iter(coordinator.status(deadline=Deadline.never()).values()))
         assert isinstance(status, RelayStatus) and status.transfer is None
         trainer.close()
     finally:

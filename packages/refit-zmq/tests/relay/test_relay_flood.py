@@ -22,6 +22,7 @@ import zmq
 from relay_helpers import KiB, MiB, RelayFleet, RelaySpec
 
 from refit_core import RefitError
+from refit_core.backend import Deadline
 from refit_zmq.relay import RelayCoordinator, RelayStatus, RelayTuning, ZmqSparseRefitClient
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, encode
@@ -67,6 +68,7 @@ def _producer(address: str, rank: int, stop: threading.Event, offered: list[int]
                     checksum="ab" * 16,
                     verification_candidates=0,
                     body=body,
+                    deadline=Deadline.never(),
                 )
             offered[rank] += PAYLOAD_BYTES
 
@@ -130,8 +132,8 @@ def test_flood_against_slow_receiver_keeps_relay_memory_bounded(relay: RelayFlee
 
     coordinator = RelayCoordinator(api_key=None, timeout_s=3.0, tuning=TUNING)
     try:
-        coordinator.configure_tree([address])
-        (status,) = coordinator.status().values()
+        coordinator.configure_tree([address], deadline=Deadline.never())
+        (status,) = coordinator.status(deadline=Deadline.never()).values()
     finally:
         coordinator.close()
     assert isinstance(status, RelayStatus), f"the relay stopped answering: {status}"

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from relay_helpers import TUNING, RelayFleet, RelaySpec, digests, fresh_trainer, held_digests
 
 from refit_core import AuthenticationError, ProtocolError
+from refit_core.backend import Deadline
 from refit_zmq.relay import RelayCoordinator
 from refit_zmq.relay.wire.auth import Signer
 from refit_zmq.relay.wire.frames import Kind, parse
@@ -77,7 +78,7 @@ def test_relay_nacks_every_malformed_message(
 def test_relay_still_commits_after_the_fuzz(relay: RelayFleet) -> None:
     coordinator = RelayCoordinator(api_key=None, timeout_s=4.0, tuning=TUNING)
     try:
-        coordinator.configure_tree(relay.addresses)
+        coordinator.configure_tree(relay.addresses, deadline=Deadline.never())
         trainer = fresh_trainer(coordinator, seed=41)
         trainer.step(seed=42)
         trainer.transfer(coordinator)

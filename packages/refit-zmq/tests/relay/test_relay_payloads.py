@@ -17,6 +17,7 @@ from relay_helpers import (
 )
 
 from refit_core import AuthenticationError, ChecksumMismatchError, WeightVersion
+from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     Acknowledged,
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def coordinator(keyed_relay: RelayFleet, api_key: str) -> Iterator[RelayCoordinator]:
     created = RelayCoordinator(api_key=api_key, timeout_s=4.0, tuning=TUNING)
-    created.configure_tree(keyed_relay.addresses)
+    created.configure_tree(keyed_relay.addresses, deadline=Deadline.never())
     try:
         yield created
     finally:
@@ -75,7 +76,7 @@ def _send(
         "base_version": None if base is None else base.value,
         **kw,
     }
-    return client.send_payload(**fields)  # type: ignore[arg-type]
+    return client.send_payload(**fields, deadline=Deadline.never())  # type: ignore[arg-type]
 
 
 def test_duplicate_and_retried_payloads_are_applied_once(
@@ -90,7 +91,10 @@ def test_duplicate_and_retried_payloads_are_applied_once(
         assert _send(first, transfer_id, 0, payloads[0]).duplicate is True
         assert _send(retry, transfer_id, 1, payloads[1]).duplicate is True
     outcome = coordinator.finish(
-        transfer_id, len(payloads), expected_digests=digests(trainer.state)
+        transfer_id,
+        len(payloads),
+        expected_digests=digests(trainer.state),
+        deadline=Deadline.never(),
     )
     assert outcome.committed, outcome.failures
     (report,) = outcome.reports.values()
@@ -110,7 +114,7 @@ def test_same_id_with_another_checksum_is_refused(
         _send(client, transfer_id, 0, payloads[0])
         with pytest.raises(TransferConflictError, match="CONFLICT"):
             _send(client, transfer_id, 0, payloads[1])
-    coordinator.decide(transfer_id, False)
+    coordinator.decide(transfer_id, False, deadline=Deadline.never())
     trainer.shards[0].tracker.abort()
     assert held_digests(coordinator) == before
 
@@ -128,10 +132,10 @@ def test_corrupted_body_is_refused_and_nothing_applied(
             _send(client, transfer_id, 0, payload, body=[bytes(f) for f in frames])
         with pytest.raises(ChecksumMismatchError, match="declared"):
             _send(client, transfer_id, 1, payload, checksum="0" * 32)
-    status = next(iter(coordinator.status().values()))
+    status = next(iter(coordinator.status(deadline=Deadline.never()).values()))
     assert isinstance(status, RelayStatus) and status.open is None, "nothing may stay applied"
     assert held_digests(coordinator) == before
-    outcome = coordinator.finish(transfer_id, 1)
+    outcome = coordinator.finish(transfer_id, 1, deadline=Deadline.never())
     assert not outcome.committed and outcome.failures[0].code == "CHECKSUM"
     trainer.shards[0].tracker.abort()
 
@@ -143,7 +147,7 @@ def test_finished_transfer_ids_are_refused(
     committed = trainer.transfer(coordinator, api_key_env_var=KEY_VAR).outcome.transfer_id
     payload = _payloads(trainer, seed=5)[0]
     aborted = new_transfer_id(trainer.version + 1)
-    coordinator.decide(aborted, False)
+    coordinator.decide(aborted, False, deadline=Deadline.never())
     with _client(keyed_relay) as client:
         for old in (committed, aborted):
             with pytest.raises(StaleTransferError, match="STALE_TRANSFER"):
@@ -160,6 +164,6 @@ def test_missing_or_wrong_key_is_refused_and_nothing_applied(
     with _client(keyed_relay, key) as client, pytest.raises(AuthenticationError):
         _send(client, new_transfer_id(trainer.version + 1), 0, payload)
     trainer.shards[0].tracker.abort()
-    status = next(iter(coordinator.status().values()))
+    status = next(iter(coordinator.status(deadline=Deadline.never()).values()))
     assert isinstance(status, RelayStatus) and status.open is None and status.transfer is None
     assert held_digests(coordinator) == before

@@ -11,6 +11,7 @@ import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, State, digests, make_state, step_state
 
 from refit_core import ChecksumMismatchError, EngineState, Recovery, RefitError, RefitTimeoutError
+from refit_core.backend import Deadline
 from refit_core.sources import StateDictSource
 from refit_lab.zmq_faults import CorruptingRelayProxy, PartitioningRelayProxy
 from refit_zmq.relay import RelayCoordinator, RelayStatus
@@ -52,7 +53,7 @@ def _synchronizer(weights: _Weights, relays: list[str]) -> ZmqSparseWeightSynchr
 def _held(addresses: list[str]) -> dict[str, RelayStatus | RefitError]:
     coordinator = RelayCoordinator(api_key=None, timeout_s=5.0, tuning=TUNING)
     try:
-        return coordinator.status(digests=True, relays=addresses)
+        return coordinator.status(digests=True, relays=addresses, deadline=Deadline.never())
     finally:
         coordinator.close()
 

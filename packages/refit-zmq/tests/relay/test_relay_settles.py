@@ -18,6 +18,7 @@ from relay_helpers import TUNING, RelayFleet, RelaySpec, Trainer, digests, make_
 from wire_helpers import Wire, begin_fields, frame_chunks, payload_ids, stream
 
 from refit_core import WeightVersion
+from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     RelayCoordinator,
@@ -168,13 +169,13 @@ def test_close_open_transfers_finishes_what_only_a_ledger_holds_at_once(
     coordinator = RelayCoordinator(api_key=None, timeout_s=5.0, tuning=TUNING)
     payload, _ = delta
     try:
-        coordinator.configure_tree([address])
+        coordinator.configure_tree([address], deadline=Deadline.never())
         wire.send("BEGIN", **begin_fields(payload, new_transfer_id(1), deadline_s=None))
         assert wire.reply()["kind"] == "READY"
         held = relay.status()
         assert held.open is None and held.transfer is not None, "open in the ledger only"
         started = time.monotonic()
-        (status,) = coordinator.close_open_transfers().values()
+        (status,) = coordinator.close_open_transfers(deadline=Deadline.never()).values()
         assert isinstance(status, RelayStatus) and status.open_transfers == frozenset()
         assert time.monotonic() - started < 5.0
     finally:
@@ -196,8 +197,8 @@ def test_a_new_coordinator_settles_what_a_dead_one_left(
         transfer_id = _prepared_pair(relays, payload, wire)  # its coordinator died here
         if committed_somewhere:  # ... or after delivering its COMMIT to one relay
             assert wire.request("COMMIT", transfer_id=transfer_id)["kind"] == "DONE"
-        successor.configure_tree(addresses)
-        statuses = successor.close_open_transfers()
+        successor.configure_tree(addresses, deadline=Deadline.never())
+        statuses = successor.close_open_transfers(deadline=Deadline.never())
         version = 1 if committed_somewhere else 0
         expected = after if committed_somewhere else digests(make_state(91))
         for status in statuses.values():

@@ -62,7 +62,7 @@ def fleet() -> Iterator[RelayFleet]:
 @pytest.fixture
 def coordinator(fleet: RelayFleet) -> Iterator[RelayCoordinator]:
     created = RelayCoordinator(api_key=None, timeout_s=15.0, tuning=TUNING)
-    created.configure_tree(fleet.addresses)
+    created.configure_tree(fleet.addresses, deadline=Deadline.never())
     try:
         yield created
     finally:
@@ -94,7 +94,7 @@ def test_sparse_commits_from_three_roots_are_bitwise_on_every_relay(
         forwarding = {a for a, r in reports.items() if r.bytes_forwarded > 0}
         assert forwarding == inner, "three roots must use three rotated trees"
         assert len(inner) == 5
-        statuses = coordinator.status()
+        statuses = coordinator.status(deadline=Deadline.never())
         assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {
             trainer.version
         }
@@ -108,10 +108,12 @@ def test_stale_relay_is_reported_then_resynced_densely(
     trainer = fresh_trainer(coordinator, seed=12)
     stale = fleet.addresses[2]
     try:
-        coordinator.configure_tree([a for a in fleet.addresses if a != stale])
+        coordinator.configure_tree(
+            [a for a in fleet.addresses if a != stale], deadline=Deadline.never()
+        )
         trainer.step(seed=200)
         trainer.transfer(coordinator)  # the stale relay misses this version
-        coordinator.configure_tree(fleet.addresses)
+        coordinator.configure_tree(fleet.addresses, deadline=Deadline.never())
         before = held_digests(coordinator)
         trainer.step(seed=201)
         with pytest.raises(StaleBaseError, match=stale) as refused:
@@ -120,7 +122,9 @@ def test_stale_relay_is_reported_then_resynced_densely(
         assert held_digests(coordinator) == before, "the refused transfer must roll back"
 
         versions = {
-            a: s.version for a, s in coordinator.status().items() if isinstance(s, RelayStatus)
+            a: s.version
+            for a, s in coordinator.status(deadline=Deadline.never()).items()
+            if isinstance(s, RelayStatus)
         }
         behind = sorted(a for a, v in versions.items() if v != trainer.version)
         assert behind == [stale]
@@ -128,7 +132,7 @@ def test_stale_relay_is_reported_then_resynced_densely(
         assert result.total("wire_bytes") >= result.total("dense_bytes") / 2, "a dense resync"
         assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
     finally:
-        coordinator.configure_tree(fleet.addresses)
+        coordinator.configure_tree(fleet.addresses, deadline=Deadline.never())
         trainer.close()
 
 
@@ -139,7 +143,7 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
     specs[victim] = RelaySpec(timeout_s=6.0, die_at=(2, 2))  # second payload of the 2nd transfer
     with RelayFleet(specs) as fleet:
         coordinator = RelayCoordinator(api_key=None, timeout_s=6.0, tuning=TUNING)
-        coordinator.configure_tree(fleet.addresses)
+        coordinator.configure_tree(fleet.addresses, deadline=Deadline.never())
         assert RelayTree.of(fleet.addresses, 2).children(fleet.addresses[0], fleet.addresses[1])
         trainer: Trainer | None = None
         try:
@@ -157,7 +161,7 @@ def test_relay_killed_mid_transfer_rolls_back_survivors_then_tree_without_it_com
             assert held[fleet.addresses[victim]] is None
             assert all(held[a] == previous for a in survivors), "survivors must roll back"
 
-            coordinator.configure_tree(survivors)
+            coordinator.configure_tree(survivors, deadline=Deadline.never())
             trainer.transfer(coordinator, timeout_s=6.0)
             assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
         finally:
@@ -174,7 +178,7 @@ def test_a_frozen_child_is_given_up_once_per_transfer_and_the_rest_goes_past_it(
     with RelayFleet([RelaySpec(timeout_s=3.0)] * 2) as fleet:
         root, frozen = fleet.addresses
         coordinator = RelayCoordinator(api_key=None, timeout_s=3.0, tuning=TUNING)
-        coordinator.configure_tree(fleet.addresses)
+        coordinator.configure_tree(fleet.addresses, deadline=Deadline.never())
         channel = ControlChannel(signer=Signer(None), tuning=TUNING)
         trainer: Trainer | None = None
         try:
@@ -197,7 +201,7 @@ def test_a_frozen_child_is_given_up_once_per_transfer_and_the_rest_goes_past_it(
                 assert report.applied == stats["payloads"], "the root applied every payload"
                 counts = report.children[frozen]
                 assert counts.failed == counts.forwarded <= TUNING.window_payloads
-                coordinator.decide(transfer_id, False)
+                coordinator.decide(transfer_id, False, deadline=Deadline.never())
                 trainer.shards[0].tracker.abort()
                 assert held_digests(coordinator)[root] == before
             finally:
@@ -221,16 +225,16 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
         coordinator = RelayCoordinator(api_key=None, timeout_s=15.0, tuning=TUNING)
         trainer: Trainer | None = None
         try:
-            coordinator.configure_tree(fleet.addresses)
+            coordinator.configure_tree(fleet.addresses, deadline=Deadline.never())
             trainer = Trainer(make_state(61), version=0)
             result = trainer.transfer(coordinator, resync=True)  # relay 1 misses the commit
             missed = fleet.addresses[1]
             assert result.outcome.committed and set(result.outcome.decision_errors) == {missed}
-            held = coordinator.status()[missed]
+            held = coordinator.status(deadline=Deadline.never())[missed]
             assert isinstance(held, RelayStatus) and held.open is not None
             assert (held.version, held.open.target) == (0, 1), "applied, undo held"
             assert held.transfer is not None and held.transfer.state is TransferState.PREPARED
-            statuses = coordinator.close_open_transfers()
+            statuses = coordinator.close_open_transfers(deadline=Deadline.never())
             assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {1}
             assert all(d == digests(trainer.state) for d in held_digests(coordinator).values())
 
@@ -238,14 +242,16 @@ def test_a_decision_a_relay_missed_is_finished_by_reconcile() -> None:
             trainer.step(seed=62)
             transfer_id = new_transfer_id(2)
             _stream_one_shard(trainer, fleet.addresses, transfer_id, timeout_s=15.0)
-            _, errors = coordinator.decide(transfer_id, False)  # relay 2 misses the rollback
+            _, errors = coordinator.decide(
+                transfer_id, False, deadline=Deadline.never()
+            )  # relay 2 misses the rollback
             trainer.shards[0].tracker.abort()
             assert set(errors) == {fleet.addresses[2]}
-            unrolled = coordinator.status()[fleet.addresses[2]]
+            unrolled = coordinator.status(deadline=Deadline.never())[fleet.addresses[2]]
             assert isinstance(unrolled, RelayStatus) and unrolled.transfer is None
             assert unrolled.open is not None, "the receiver still holds what the ledger closed"
             assert unrolled.open_transfers == {transfer_id}
-            coordinator.close_open_transfers()
+            coordinator.close_open_transfers(deadline=Deadline.never())
             assert held_digests(coordinator) == before
         finally:
             if trainer is not None:
@@ -349,6 +355,7 @@ def _stream_one_shard(
         shard_rank=0,
         shard_count=1,
         tuning=TUNING,
+        deadline=Deadline.never(),
     )
 
 
@@ -369,9 +376,10 @@ def test_a_prepared_transfer_waits_for_its_decision_and_an_abort_keeps_the_basel
             target_version=trainer.version + 1,
             resync=False,
             options=options,
+            deadline=Deadline.never(),
         )
         time.sleep(1.0)  # the decision may come later: nothing settles it meanwhile
-        statuses = coordinator.status()
+        statuses = coordinator.status(deadline=Deadline.never())
         assert {s.version for s in statuses.values() if isinstance(s, RelayStatus)} == {
             trainer.version
         }
@@ -382,7 +390,12 @@ def test_a_prepared_transfer_waits_for_its_decision_and_an_abort_keeps_the_basel
             for s in statuses.values()
         ), statuses
         aborted = decide_transfer(
-            coordinator, trainer.participants, prepared, commit=False, options=options
+            coordinator,
+            trainer.participants,
+            prepared,
+            commit=False,
+            options=options,
+            deadline=Deadline.never(),
         )
         assert not aborted.outcome.committed and not aborted.outcome.decision_errors
         assert all(d == before for d in held_digests(coordinator).values()), "rolled back"

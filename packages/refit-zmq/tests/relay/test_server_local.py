@@ -11,6 +11,7 @@ import zmq
 from relay_helpers import TUNING, MiB, Trainer, digests, make_state
 
 from refit_core import WeightVersion
+from refit_core.backend import Deadline
 from refit_zmq.codec import DeltaPayload
 from refit_zmq.relay import (
     AbortReply,
@@ -47,6 +48,7 @@ def _deliver(
             target_version=1,
             verification_candidates=verification_candidates,
             senders=1,
+            deadline=Deadline.never(),
         )
 
 

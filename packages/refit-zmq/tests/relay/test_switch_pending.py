@@ -14,6 +14,8 @@ import pytest
 from relay_helpers import TUNING, RelayFleet, RelaySpec, Trainer, digests, make_state
 
 from refit_core import RefitTimeoutError
+from refit_core.backend import Deadline
+from refit_zmq.relay import RelayCoordinator, RelayStatus
 from refit_zmq.sparse import ZmqSparseOptions, ZmqSparseWeightSynchronizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,9 +66,14 @@ def test_an_engine_that_missed_the_commit_is_named_and_waited_for(fleet: RelayFl
             os.kill(fleet.pids[1], signal.SIGCONT)
         fleet_status = sync.wait_for_switch(result, timeout_s=60.0)
         assert fleet_status.agreed_version == result.version == 2
-        held = {
-            a: s.digests for a, s in sync._control(sync._deadline()).status(digests=True).items()
-        }
+        probe = RelayCoordinator(api_key=None, timeout_s=5.0, tuning=TUNING)
+        try:
+            statuses = probe.status(
+                relays=fleet.addresses, digests=True, deadline=Deadline.after(30.0)
+            )
+        finally:
+            probe.close()
+        held = {a: s.digests for a, s in statuses.items() if isinstance(s, RelayStatus)}
         assert held == {a: digests(trainer.state) for a in fleet.addresses}
     finally:
         sync.shutdown()

@@ -54,6 +54,7 @@ import torch
 import xxhash
 
 from refit_core import WeightVersion
+from refit_core.backend import Deadline as RefitDeadline
 from refit_core.backend import LocalParticipant, Participant
 from refit_core.sources import StateDictSource
 from refit_lab.bench.deltas import Trajectory, calibrate_lr
@@ -397,6 +398,11 @@ class _Weights:
         return StateDictSource(self.state)
 
 
+_UNBOUNDED = RefitDeadline.never()
+"""The relays' calls wait their attempts of ``timeout_s``; the bench's own deadline (its
+child group) bounds the whole run."""
+
+
 def _timed_refit(
     coordinator: RelayCoordinator,
     producer: Participant[ShardProducerRole],
@@ -412,7 +418,12 @@ def _timed_refit(
     if not step.pre_encoded:
         started = time.perf_counter()
         result = run_transfer(
-            coordinator, [producer], target_version=version, resync=step.resync, options=options
+            coordinator,
+            [producer],
+            target_version=version,
+            resync=step.resync,
+            options=options,
+            deadline=_UNBOUNDED,
         )
         seconds = time.perf_counter() - started
         applying = sum(r.apply_s for r in result.outcome.reports.values())
@@ -437,9 +448,10 @@ def _timed_refit(
         target_version=version,
         verification_candidates=0,
         senders=tuning.window_payloads,
+        deadline=_UNBOUNDED,
     )
     streamed = time.perf_counter()
-    outcome = coordinator.finish(transfer_id, stats["payloads"])
+    outcome = coordinator.finish(transfer_id, stats["payloads"], deadline=_UNBOUNDED)
     seconds = time.perf_counter() - started
     if not outcome.committed:
         tracker.abort()
@@ -501,7 +513,7 @@ def produce(
         raw_round = (
             _star_rounds(stack, reference) if isinstance(reference, StarReference) else reference
         )
-        coordinator.configure_tree(list(addresses))
+        coordinator.configure_tree(list(addresses), deadline=_UNBOUNDED)
         for version, step in enumerate(steps, start=1):
             paired = {}
             if step.paired and raw_round is not None:
@@ -512,7 +524,7 @@ def produce(
             )
             rows.append({"case": step.case, **timed, **paired})
         expected = digests(by_name[steps[-1].state])
-        held = coordinator.status(digests=True)
+        held = coordinator.status(digests=True, deadline=_UNBOUNDED)
         exact = all(isinstance(s, RelayStatus) and s.digests == expected for s in held.values())
     return {"rows": rows, "bitexact": exact}
 

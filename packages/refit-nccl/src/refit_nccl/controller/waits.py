@@ -19,13 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 def time_left(deadline: Deadline, what: str) -> float | None:
-    """What is left of ``deadline`` for ``what`` (None: disarmed).
+    """``deadline`` in its wire form (``Deadline.to_wire``: the seconds left, None when
+    disarmed), for a call to a member that runs ``what``.
 
     Raises:
         RefitTimeoutError: nothing is left.
     """
     deadline.check(what)
-    return deadline.remaining_s()
+    return deadline.to_wire()
 
 
 def abort_members(

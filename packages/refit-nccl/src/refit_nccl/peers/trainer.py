@@ -96,7 +96,7 @@ class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
             plan = self._build_plan(request.state, request.geometry)
             group = make_group(self._group_spec(request))
             self._group, self._group_name = group, request.group.name
-            group.connect(Deadline.after(request.timeout_s))
+            group.connect(Deadline.from_wire(request.timeout_s))
             self._plan = plan
             logger.info("%s: joined as the sender of %s", request.group.label, request.group.name)
             return plan.digest
@@ -107,7 +107,7 @@ class PeerTrainer(ABC, CollectiveTrainerRole, Generic[PlanT]):
             group, plan = self._group, self._plan
             if group is None or plan is None:
                 raise RefitAbortedError("not in a group: call refit_join first")
-            return self._send(group, plan, version, Deadline.after(timeout_s))
+            return self._send(group, plan, version, Deadline.from_wire(timeout_s))
 
     def refit_abort(self, cause: str, group_name: str | None = None) -> None:
         """Abort the current group (only if it is ``group_name``, when given); never blocks."""

@@ -51,7 +51,8 @@ class JoinRequest:
         group: this participant's place in the group.
         state: the trainer's state, in transfer order.
         geometry: the packing geometry the engines declared.
-        timeout_s: what is left of the deadline (None: disarmed).
+        timeout_s: the refit's deadline in its wire form (``Deadline.to_wire``: the seconds
+            left, None: disarmed).
     """
 
     group: GroupSpec

@@ -32,10 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 def participant_deadline(timeout_s: float | None, what: str) -> Deadline:
-    """The participant's own deadline from what the controller said was left."""
-    if timeout_s is not None and timeout_s <= 0:
+    """The participant's own deadline from the controller's (``timeout_s``: its wire form,
+    :meth:`Deadline.to_wire`).
+
+    Raises:
+        RefitTimeoutError: nothing is left for ``what``.
+        ProtocolError: ``timeout_s`` is no wire deadline.
+    """
+    deadline = Deadline.from_wire(timeout_s)
+    if deadline.expired():
         raise RefitTimeoutError(f"no time left for {what}")
-    return Deadline.after(timeout_s)
+    return deadline
 
 
 class MemberEndpoint(ABC):

@@ -138,7 +138,9 @@ class IpcReceiver:
     # -- driving -------------------------------------------------------------------------
 
     def serve_refit(self, timeout_s: float | None = None) -> int:
-        """Serve requests until a refit commits (its version) or is aborted.
+        """Serve requests until a refit commits (its version) or is aborted, by the refit's
+        deadline as the trainer sent it (``timeout_s``: ``Deadline.to_wire``, the seconds
+        left; None: none).
 
         After a refused request the trainer always sends ``abort``; this call serves it and
         then raises the refusal.
@@ -150,7 +152,7 @@ class IpcReceiver:
         """
         if self._thread is not None:
             raise RuntimeError("the receiver is served by its background thread")
-        deadline = Deadline.after(timeout_s)
+        deadline = Deadline.from_wire(timeout_s)
         failure: RefitError | None = None
         while True:
             left = deadline.remaining_s()

@@ -77,7 +77,8 @@ class RefitSessions(Protocol):
     """Workers that serve a refit only inside a session they run (vLLM's update session)."""
 
     def refit_started(self, version: int, timeout_s: float | None) -> None:
-        """Open every worker's session; returns at once, the workers then serve the refit."""
+        """Open every worker's session; returns at once, the workers then serve the refit
+        by its deadline (``timeout_s``: its wire form, ``Deadline.to_wire``)."""
         ...
 
     def refit_finished(self, version: int, committed: bool) -> None:
@@ -159,7 +160,7 @@ class IpcWeightSynchronizer(WeightSynchronizer):
         sessions = self._sessions
         if sessions is None:
             return self._transfer(version, deadline)
-        sessions.refit_started(version, deadline.remaining_s())
+        sessions.refit_started(version, deadline.to_wire())
         try:
             result = self._transfer(version, deadline)
         except BaseException as exc:

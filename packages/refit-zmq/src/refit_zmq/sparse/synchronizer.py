@@ -46,6 +46,9 @@ from refit_zmq.relay import (
     decide_transfer,
     prepare_transfer,
 )
+from refit_zmq.relay.coordinator.coordinator import (
+    attempt_timeout_s as relay_attempt_timeout_s,
+)
 from refit_zmq.relay.coordinator.outcome import relay_error
 from refit_zmq.relay.wire.auth import api_key_from_env
 from refit_zmq.tracker import TrackerConfig
@@ -128,12 +131,9 @@ def attempt_timeout_s(options: ZmqSparseOptions, deadline_left_s: float | None) 
     """How long one attempt of a control request within a refit (the STATUS probe that starts
     every refit among them) waits for its reply: ``call_timeout_s``, within what the deadline
     leaves for all ``tuning.retries + 1`` attempts to take at most half of it (at least
-    0.05 s). The README's figures are this function's, at the defaults."""
-    attempts = options.tuning.retries + 1
-    call = options.call_timeout_s
-    if deadline_left_s is None:
-        return call
-    return max(0.05, min(call, deadline_left_s / (2 * attempts)))
+    0.05 s): the coordinator's own rule at these options. The README's figures are this
+    function's, at the defaults."""
+    return relay_attempt_timeout_s(options.call_timeout_s, options.tuning.retries, deadline_left_s)
 
 
 class ZmqSparseWeightSynchronizer(WeightSynchronizer):
@@ -189,26 +189,25 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
 
     # -- hooks ---------------------------------------------------------------------------
 
-    def _control(self, deadline: Deadline) -> RelayCoordinator:
-        """The coordinator (made on first use: status may be asked before the first refit),
-        its reply timeout derived from ``deadline``."""
+    def _control(self) -> RelayCoordinator:
+        """The coordinator (made on first use: status may be asked before the first refit);
+        every request takes the deadline of the call it serves."""
         if self._coordinator is None:
             options = self._options
             self._coordinator = RelayCoordinator(
                 api_key=api_key_from_env(options.api_key_env_var),
-                timeout_s=self._call_timeout(deadline),
+                timeout_s=options.call_timeout_s,
                 tuning=options.tuning,
                 curve=options.curve,
             )
-        self._coordinator.timeout_s = self._call_timeout(deadline)
         return self._coordinator
 
     def _init_communicator(self, deadline: Deadline) -> None:
         options = self._options
-        coordinator = self._control(deadline)
+        coordinator = self._control()
         addresses = list(self._relays())
         self._shards = {address: shard for shard, address in enumerate(addresses)}
-        coordinator.configure_tree(addresses)
+        coordinator.configure_tree(addresses, deadline=deadline)
         item_bytes = max(1, min(options.bucket_size_bytes, options.tuning.max_inflight_bytes) // 2)
         count = len(self._producers)
         self._on_producers(
@@ -335,7 +334,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
 
     def _abort_staged(self, staged: StagedRefit, deadline: Deadline) -> None:
         prepared, _, _ = self._prepared.pop(staged.staging_id)
-        coordinator = self._control(deadline)
+        coordinator = self._control()
         result = decide_transfer(
             coordinator,
             self._producers,
@@ -359,7 +358,6 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """
         coordinator = self._coordinator
         assert coordinator is not None
-        coordinator.timeout_s = self._call_timeout(deadline)
         statuses = coordinator.close_open_transfers(deadline=deadline)
         unreachable = {a: s for a, s in statuses.items() if isinstance(s, RefitError)}
         versions = {a: s.version for a, s in statuses.items() if isinstance(s, RelayStatus)}
@@ -430,7 +428,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         Timings add ``transfer`` (streaming, flush and decision) and ``pause`` (the time in
         ``on_commit``, which bounds every engine's pause: vLLM engines pause there)."""
         result = decide_transfer(
-            self._control(deadline),
+            self._control(),
             self._producers,
             prepared,
             commit=True,
@@ -502,15 +500,13 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """Every relay's engine, left-out relays included: serving its committed version,
         closed while a transfer holds part of its bytes, or unreachable."""
         relays = list(self._relays())
-        statuses = self._control(deadline).status(
-            relays=relays, deadline=deadline, probe_s=self._probe_s
-        )
+        statuses = self._control().status(relays=relays, deadline=deadline, probe_s=self._probe_s)
         return FleetStatus(
             tuple(_engine_status(shard, a, statuses.get(a)) for shard, a in enumerate(relays))
         )
 
     def _close_open_transfers(self, deadline: Deadline) -> None:
-        self._control(deadline).close_open_transfers(deadline=deadline)
+        self._control().close_open_transfers(deadline=deadline)
 
     def live_shards(self) -> frozenset[int] | None:
         if self._coordinator is None:
@@ -523,10 +519,11 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         relays = list(self._relays())
         if any(shard >= len(relays) for shard in absent_shards):
             raise ValueError(f"absent shards {sorted(absent_shards)} of {len(relays)} relays")
-        coordinator.timeout_s = self._call_timeout(deadline)
         self._shards = {address: shard for shard, address in enumerate(relays)}
         coordinator.configure_tree(
-            [a for i, a in enumerate(relays) if i not in absent_shards], shards=self._shards
+            [a for i, a in enumerate(relays) if i not in absent_shards],
+            deadline=deadline,
+            shards=self._shards,
         )
         self._stale = False
 

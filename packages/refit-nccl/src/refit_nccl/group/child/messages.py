@@ -35,7 +35,8 @@ _ERRORS: dict[str, type[Exception]] = {
 
 @dataclasses.dataclass(frozen=True)
 class ChildCall:
-    """One call for the child: ``op`` on the first ``nbytes`` of buffer ``buffer``."""
+    """One call for the child: ``op`` on the first ``nbytes`` of buffer ``buffer``, by
+    the deadline ``timeout_s`` (its wire form, ``Deadline.to_wire``)."""
 
     call_id: int
     op: str

@@ -51,7 +51,7 @@ class ChildProcessGroup(AbortableProcessGroup):
         conn = Connection(ours.detach())
         comm = ChildCommunicator(process, conn, self.spec.label, self.spec.rank)
         try:
-            comm.send_message((self.spec, deadline.remaining_s()))
+            comm.send_message((self.spec, deadline.to_wire()))
             timeout = self._calls.timeout(deadline, "rendezvous")
             comm.await_reply(CONNECT_ID, timeout.total_seconds())
         except BaseException:

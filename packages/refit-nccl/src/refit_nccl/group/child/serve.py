@@ -22,10 +22,10 @@ def serve(fd: int) -> None:
     parent's calls in order until the parent goes away."""
     torch.set_num_threads(1)
     conn = Connection(fd)
-    spec, connect_timeout_s = conn.recv()
+    spec, connect_deadline = conn.recv()
     group = AbortableProcessGroup(dataclasses.replace(spec, in_child=False))
     try:
-        group.connect(Deadline.after(connect_timeout_s))
+        group.connect(Deadline.from_wire(connect_deadline))
     except Exception as exc:
         conn.send(ChildReply.failed(CONNECT_ID, exc))
         return
@@ -53,7 +53,7 @@ def _start(
 ) -> Callable[[], None]:
     """Issue ``call`` on ``group``; the returned function completes it (raising its error)."""
     data = buffer[: call.nbytes]
-    deadline = Deadline.after(call.timeout_s)
+    deadline = Deadline.from_wire(call.timeout_s)
     try:
         if call.op == "broadcast":
             return group.broadcast_async(data, call.peer, deadline).wait

@@ -10,10 +10,13 @@ one is finished by :meth:`RelayCoordinator.close_open_transfers`, which reads bo
 and the receiver of every relay, and settles a transfer it has no record of by cooperative
 termination (commit it if any relay committed it, else abort it).
 
-With a deadline, the flush and the delivery of the decision both end by it: relays are asked
-to answer the FLUSH by the deadline (less :data:`FLUSH_MARGIN_S`), their answers are awaited
-until the deadline, and the decision is delivered for at most :data:`DECISION_GRACE_S` past
-it, so an error reaches the caller by the deadline plus less than a second. Relays that were not reached settle the transfer on
+Every request takes the caller's deadline (:class:`~refit_core.backend.Deadline`, required:
+``Deadline.never()`` waits without one); one attempt waits ``timeout_s`` at most, and less
+when the deadline is near (:func:`attempt_timeout_s`). With a deadline, the flush and the
+delivery of the decision both end by it: relays are asked to answer the FLUSH by the deadline
+(less :data:`FLUSH_MARGIN_S`), their answers are awaited until the deadline, and the decision
+is delivered for at most :data:`DECISION_GRACE_S` past it, so an error reaches the caller by
+the deadline plus less than a second. Relays that were not reached settle the transfer on
 their own (see PROTOCOL.md).
 """
 
@@ -51,8 +54,10 @@ from refit_zmq.relay.wire.tuning import RelayTuning
 __all__ = [
     "DECISION_GRACE_S",
     "FLUSH_MARGIN_S",
+    "MIN_ATTEMPT_S",
     "RelayCoordinator",
     "Statuses",
+    "attempt_timeout_s",
     "new_transfer_id",
 ]
 
@@ -64,6 +69,9 @@ FLUSH_MARGIN_S = 0.25
 """How long before the deadline relays are asked to answer a FLUSH (at most a tenth of what
 is left), so their answers arrive by it."""
 
+MIN_ATTEMPT_S = 0.05
+"""The shortest wait of one attempt, however near the deadline."""
+
 _DECISIONS_KEPT = 256
 
 Statuses = dict[str, RelayStatus | RefitError]
@@ -73,6 +81,15 @@ Statuses = dict[str, RelayStatus | RefitError]
 def new_transfer_id(target_version: int) -> str:
     """A fresh transfer id naming its target version (``v<target>-<16 hex>``)."""
     return f"v{target_version}-{uuid.uuid4().hex[:16]}"
+
+
+def attempt_timeout_s(timeout_s: float, retries: int, deadline_left_s: float | None) -> float:
+    """How long one attempt of a control request waits for its reply: ``timeout_s``, within
+    what the deadline leaves (``deadline_left_s``; None: no deadline) for all ``retries + 1``
+    attempts to take at most half of it, and at least :data:`MIN_ATTEMPT_S`."""
+    if deadline_left_s is None:
+        return timeout_s
+    return max(MIN_ATTEMPT_S, min(timeout_s, deadline_left_s / (2 * (retries + 1))))
 
 
 def _typed(reply: Reply, parse: Any) -> Any:
@@ -91,7 +108,9 @@ class RelayCoordinator:
     Args:
         api_key: the shared API key (None: relays run without one).
         timeout_s: how long one relay may take to answer one request (STATUS, CONFIGURE,
-            OUTCOME, COMMIT, ABORT; each retried ``tuning.retries`` times).
+            OUTCOME, COMMIT, ABORT; each retried ``tuning.retries`` times); a request's own
+            deadline shortens it (:func:`attempt_timeout_s`). Fixed for the coordinator's
+            life: every call takes its deadline as an argument instead.
         tuning: fan-out of the tree, retries and backoff.
         curve: the relays' CURVE public key, when they encrypt.
     """
@@ -104,61 +123,59 @@ class RelayCoordinator:
         tuning: RelayTuning | None = None,
         curve: CurveConfig | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
+        self._timeout_s = timeout_s
         self._tuning = tuning or RelayTuning()
         self._channel = ControlChannel(signer=Signer(api_key), curve=curve, tuning=self._tuning)
         self._tree: RelayTree | None = None
         self._decisions: OrderedDict[str, bool] = OrderedDict()
 
     @property
+    def timeout_s(self) -> float:
+        """The longest wait of one attempt (read-only)."""
+        return self._timeout_s
+
+    @property
     def relays(self) -> tuple[str, ...]:
         """The relays of the configured tree."""
         return () if self._tree is None else self._tree.relays
 
-    def _call(
-        self,
-        requests: Mapping[str, tuple[Kind, dict[str, Any]]],
-        *,
-        reply_within_s: float | None = None,
-        until: float | None = None,
-        retries: int | None = None,
-        stop_when_gone: bool = False,
-    ) -> dict[str, Reply]:
-        within = self.timeout_s if reply_within_s is None else reply_within_s
-        return self._channel.call(
-            requests,
-            reply_within_s=within,
-            until=until,
-            retries=retries,
-            stop_when_gone=stop_when_gone,
-        )
+    def _attempt_s(self, deadline: Deadline) -> float:
+        """One attempt's wait under ``deadline`` (see :func:`attempt_timeout_s`)."""
+        return attempt_timeout_s(self._timeout_s, self._tuning.retries, deadline.remaining_s())
 
     def gone(self) -> tuple[str, ...]:
         """The relays of the tree whose ports refuse connections (dead, or closed)."""
         return tuple(a for a in self.relays if refuses_connections(a))
 
     def configure_tree(
-        self, relays: Sequence[str], *, shards: Mapping[str, int] | None = None
+        self,
+        relays: Sequence[str],
+        *,
+        deadline: Deadline,
+        shards: Mapping[str, int] | None = None,
     ) -> str:
         """Give every relay the tree over ``relays`` (in this order); return the tree id.
         Links to relays no longer in the tree are closed.
 
         Args:
             relays: the tree's relays.
+            deadline: no attempt runs past it.
             shards: relay address -> its shard index, for the error (default: list order).
 
         Raises:
             RefitError: a relay refused or did not answer (named, with every relay's state).
         """
         tree = RelayTree.of(relays, self._tuning.fanout)
-        replies = self._call(
+        replies = self._channel.call(
             {
                 address: (
                     Kind.CONFIGURE,
                     {"relays": list(relays), "own_address": address, "fanout": tree.fanout},
                 )
                 for address in relays
-            }
+            },
+            reply_within_s=self._attempt_s(deadline),
+            until=deadline.at,
         )
         answers = {a: _typed(r, TreeReply.from_json) for a, r in replies.items()}
         errors = {a: r for a, r in answers.items() if isinstance(r, RefitError)}
@@ -175,7 +192,7 @@ class RelayCoordinator:
         *,
         digests: bool = False,
         relays: Sequence[str] | None = None,
-        deadline: Deadline | None = None,
+        deadline: Deadline,
         probe_s: float | None = None,
     ) -> Statuses:
         """Every relay's status (those of ``relays``, default the tree's): version, the
@@ -185,18 +202,18 @@ class RelayCoordinator:
         Args:
             probe_s: ask each relay once, waiting this long for its answer (a relay that did
                 not answer the last request starts on a fresh socket); default: the usual
-                attempts of ``timeout_s`` each.
+                attempts (:func:`attempt_timeout_s`).
         """
         addresses = self.relays if relays is None else tuple(relays)
-        replies = self._call(
+        replies = self._channel.call(
             {a: (Kind.STATUS, {"digests": digests}) for a in addresses},
-            until=None if deadline is None else deadline.at,
-            reply_within_s=probe_s,
+            until=deadline.at,
+            reply_within_s=self._attempt_s(deadline) if probe_s is None else probe_s,
             retries=None if probe_s is None else 0,
         )
         return {a: _typed(r, RelayStatus.from_json) for a, r in replies.items()}
 
-    def close_open_transfers(self, *, deadline: Deadline | None = None) -> Statuses:
+    def close_open_transfers(self, *, deadline: Deadline) -> Statuses:
         """Finish every transfer a relay still holds open, in its ledger or its receiver;
         return every relay's status afterwards.
 
@@ -206,7 +223,7 @@ class RelayCoordinator:
         that do not answer keep what they hold and settle it on their own. No request runs
         past ``deadline``.
         """
-        until = None if deadline is None else deadline.at
+        until = deadline.at
         statuses = self.status(deadline=deadline)
         holders: dict[str, set[str]] = {}
         for address, status in statuses.items():
@@ -219,7 +236,7 @@ class RelayCoordinator:
         for transfer_id, addresses in holders.items():
             commit = self._decisions.get(transfer_id)
             if commit is None:
-                commit = self._committed_anywhere(transfer_id, until)
+                commit = self._committed_anywhere(transfer_id, deadline)
                 self._record(transfer_id, commit)
             kind = Kind.COMMIT if commit else Kind.ABORT
             logger.warning(
@@ -230,16 +247,18 @@ class RelayCoordinator:
             )
             for address in addresses:
                 finishing[address] = (kind, {"transfer_id": transfer_id})
-        self._call(finishing, until=until)
+        self._channel.call(finishing, reply_within_s=self._attempt_s(deadline), until=until)
         statuses.update(self.status(relays=list(finishing), deadline=deadline))
         return statuses
 
     reconcile = close_open_transfers
 
-    def _committed_anywhere(self, transfer_id: str, until: float | None) -> bool:
+    def _committed_anywhere(self, transfer_id: str, deadline: Deadline) -> bool:
         """Whether any relay of the tree committed ``transfer_id`` (OUTCOME to all)."""
-        replies = self._call(
-            {a: (Kind.OUTCOME, {"transfer_id": transfer_id}) for a in self.relays}, until=until
+        replies = self._channel.call(
+            {a: (Kind.OUTCOME, {"transfer_id": transfer_id}) for a in self.relays},
+            reply_within_s=self._attempt_s(deadline),
+            until=deadline.at,
         )
         return any(
             isinstance(r, OutcomeReply) and r.state is TransferState.COMMITTED
@@ -252,10 +271,9 @@ class RelayCoordinator:
         expected_payloads: int,
         *,
         expected_digests: Mapping[str, int] | None = None,
-        deadline: Deadline | None = None,
+        deadline: Deadline,
     ) -> TransferOutcome:
         """Flush every relay (:meth:`flush`), decide, and deliver the decision."""
-        deadline = deadline or Deadline.never()
         flushed = self.flush(
             transfer_id, expected_payloads, expected_digests=expected_digests, deadline=deadline
         )
@@ -268,7 +286,7 @@ class RelayCoordinator:
         expected_payloads: int,
         *,
         expected_digests: Mapping[str, int] | None = None,
-        deadline: Deadline | None = None,
+        deadline: Deadline,
     ) -> TransferOutcome:
         """Phase one's end: FLUSH every relay and tell whether the transfer may commit
         (``committed``: every relay prepared it); nothing is decided or delivered yet.
@@ -277,19 +295,18 @@ class RelayCoordinator:
             transfer_id: the transfer the producers streamed.
             expected_payloads: how many payloads every relay must have applied.
             expected_digests: name -> ``tensor_digest`` every receiver must now hold.
-            deadline: the refit's deadline: relays answer the FLUSH by it (None: each relay
-                may wait ``timeout_s`` for its payloads).
+            deadline: the refit's deadline: relays answer the FLUSH by it (disarmed: each
+                relay may wait ``timeout_s`` for its payloads).
         """
-        deadline = deadline or Deadline.never()
         left = deadline.remaining_s()
         if left is None:
-            wait_s, until = self.timeout_s, None
-            reply_within_s = wait_s + self.timeout_s
+            wait_s, until = self._timeout_s, None
+            reply_within_s = wait_s + self._timeout_s
         else:
             wait_s = max(0.0, left - min(FLUSH_MARGIN_S, left / 10))
             until = time.monotonic() + left
             reply_within_s = left
-        replies = self._call(
+        replies = self._channel.call(
             {
                 address: (
                     Kind.FLUSH,
@@ -327,19 +344,20 @@ class RelayCoordinator:
             self._decisions.popitem(last=False)
 
     def decide(
-        self, transfer_id: str, commit: bool, *, deadline: Deadline | None = None
+        self, transfer_id: str, commit: bool, *, deadline: Deadline
     ) -> tuple[dict[str, CommitReply | AbortReply], dict[str, RefitError]]:
         """Record the decision, then deliver it to every relay (for at most
-        :data:`DECISION_GRACE_S` past the deadline); every relay's confirmation, and the
-        relays that did not confirm with why."""
-        deadline = deadline or Deadline.never()
+        :data:`DECISION_GRACE_S` past the deadline, each attempt waiting at least that
+        grace); every relay's confirmation, and the relays that did not confirm with why."""
         self._record(transfer_id, commit)
         kind = Kind.COMMIT if commit else Kind.ABORT
         until = None
         if deadline.at is not None:
             until = max(time.monotonic(), deadline.at) + DECISION_GRACE_S
-        replies = self._call(
-            {a: (kind, {"transfer_id": transfer_id}) for a in self.relays}, until=until
+        replies = self._channel.call(
+            {a: (kind, {"transfer_id": transfer_id}) for a in self.relays},
+            reply_within_s=max(self._attempt_s(deadline), DECISION_GRACE_S),
+            until=until,
         )
         parse = CommitReply.from_json if commit else AbortReply.from_json
         answers = {a: _typed(r, parse) for a, r in replies.items()}

@@ -88,7 +88,7 @@ def run_transfer(
     resync: bool,
     options: TransferOptions,
     expected_digests: Mapping[str, int] | None = None,
-    deadline: Deadline | None = None,
+    deadline: Deadline,
     shards: Mapping[str, int] | None = None,
 ) -> TransferResult:
     """Both phases at once: :func:`prepare_transfer`, then commit (:func:`decide_transfer`)."""
@@ -115,7 +115,7 @@ def prepare_transfer(
     resync: bool,
     options: TransferOptions,
     expected_digests: Mapping[str, int] | None = None,
-    deadline: Deadline | None = None,
+    deadline: Deadline,
     shards: Mapping[str, int] | None = None,
 ) -> PreparedTransfer:
     """Let every producer stream (concurrently, each rooted at its own relay) and flush
@@ -133,11 +133,10 @@ def prepare_transfer(
             tracker too, and the error names the relays or producers that failed, with every
             relay's state (:meth:`TransferOutcome.error`).
     """
-    deadline = deadline or Deadline.never()
     shards = shards or {address: i for i, address in enumerate(coordinator.relays)}
     transfer_id = new_transfer_id(target_version)
     order = StreamOrder(
-        transfer_id, coordinator.relays, target_version, resync, options, deadline.remaining_s()
+        transfer_id, coordinator.relays, target_version, resync, options, deadline.to_wire()
     )
     started = time.monotonic()
     calls = {p: p.call(ShardProducerRole.refit_stream, order) for p in producers}
@@ -181,13 +180,12 @@ def decide_transfer(
     *,
     commit: bool,
     options: TransferOptions,
-    deadline: Deadline | None = None,
+    deadline: Deadline,
 ) -> TransferResult:
     """Phase two: deliver the decision on ``prepared`` to every relay, then commit or abort
     the producers' trackers. Relays that did not confirm are in the outcome's
     ``decision_errors`` (they settle the transfer with their peers, or the next
     :meth:`RelayCoordinator.close_open_transfers` finishes it)."""
-    deadline = deadline or Deadline.never()
     started = time.monotonic()
     decisions, errors = coordinator.decide(prepared.transfer_id, commit, deadline=deadline)
     unsettled = _settle(producers, commit=commit, wait_s=_settle_s(options, deadline))

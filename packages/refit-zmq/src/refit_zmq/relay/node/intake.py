@@ -22,6 +22,7 @@ from concurrent.futures import Future
 import zmq
 
 from refit_core import ProtocolError
+from refit_core.backend import Deadline
 from refit_zmq.relay.apply.receiver import Receiver
 from refit_zmq.relay.node.forwarder import ChildLink, Forward
 from refit_zmq.relay.node.jobs import ReceiverJobs
@@ -92,11 +93,10 @@ class PayloadIntake:
         transfer_id, producer_id, payload_id = key
         root = message.optional_text("relay_root") or self._topology.own
         self._topology.check(root, message.optional_text("tree"))
-        deadline_s = message.fields["deadline_s"]
         record = self._ledger.open(
             transfer_id,
             message.number("target"),
-            None if deadline_s is None else float(deadline_s),
+            Deadline.from_wire(message.fields["deadline_s"]),
             time.monotonic(),
         )
         checksum = message.text("checksum")
@@ -364,6 +364,7 @@ class PayloadIntake:
         self._progress()
 
     def deadline_s(self, transfer_id: str) -> float | None:
-        """Seconds left of the transfer's deadline, for the BEGIN a child gets."""
+        """The transfer's deadline in its wire form (``Deadline.to_wire``), for the BEGIN a
+        child gets."""
         record = self._ledger.record(transfer_id)
-        return None if record is None else record.deadline_left(time.monotonic())
+        return None if record is None else Deadline(record.deadline).to_wire()

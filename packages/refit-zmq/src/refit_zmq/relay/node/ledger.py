@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from refit_core.backend import Deadline
 from refit_zmq.relay.wire.errors import StaleTransferError, TransferConflictError
 from refit_zmq.relay.wire.reports import (
     ApplyResult,
@@ -156,16 +157,14 @@ class Ledger:
         record = self.record(transfer_id)
         return TransferState.UNKNOWN if record is None else record.state
 
-    def open(
-        self, transfer_id: str, target: int, deadline_s: float | None, now: float
-    ) -> TransferRecord:
+    def open(self, transfer_id: str, target: int, deadline: Deadline, now: float) -> TransferRecord:
         """The open record of ``transfer_id``, opening it if no other transfer is open.
 
         Args:
             transfer_id: the transfer a BEGIN names.
             target: the version it brings receivers to.
-            deadline_s: seconds left of its deadline as the sender saw it (None: none);
-                the record keeps the earliest deadline it was given.
+            deadline: its deadline as the BEGIN carried it (``Deadline.from_wire``); the
+                record keeps the earliest deadline it was given.
             now: ``time.monotonic()``.
 
         A payload against another base is not refused here: the relay still forwards it to
@@ -183,12 +182,12 @@ class Ledger:
             raise StaleTransferError(
                 f"transfer {transfer_id} targets version {target}, relay holds {self.version}"
             )
-        if deadline_s is not None and deadline_s <= 0:
+        at = deadline.at
+        if at is not None and now >= at:
             raise StaleTransferError(f"transfer {transfer_id} is past its deadline")
-        deadline = None if deadline_s is None else now + deadline_s
         current = self.current
         if current is None:
-            self.current = TransferRecord(transfer_id, target, deadline=deadline)
+            self.current = TransferRecord(transfer_id, target, deadline=at)
             return self.current
         if current.transfer_id != transfer_id:
             raise TransferConflictError(
@@ -200,8 +199,8 @@ class Ledger:
             raise TransferConflictError(
                 f"transfer {transfer_id} targets {target} and {current.target}"
             )
-        if deadline is not None and (current.deadline is None or deadline < current.deadline):
-            current.deadline = deadline
+        if at is not None and (current.deadline is None or at < current.deadline):
+            current.deadline = at
         current.touch(now)
         return current
 

@@ -130,7 +130,7 @@ class ZmqSparseRefitClient:
         producer_id: str | None = None,
         base_version: int | None = None,
         target_version: int | None = None,
-        deadline: Deadline | None = None,
+        deadline: Deadline,
     ) -> Acknowledged:
         """Deliver one payload; return the relay's ACK once it has applied it.
 
@@ -147,8 +147,9 @@ class ZmqSparseRefitClient:
                 item of the payload must name it.
             target_version: the version it brings receivers to (default: the one the
                 transfer id names; another is refused).
-            deadline: the transfer's deadline: the BEGIN carries what is left of it, and no
-                wait or retry runs past it (default: none; each wait takes ``timeout_s``).
+            deadline: the transfer's deadline: the BEGIN carries it (``Deadline.to_wire``),
+                and no wait or retry runs past it (``Deadline.never()``: each wait takes
+                ``timeout_s``).
 
         Raises:
             RefitTimeoutError: no answer after every attempt, or the deadline passed.
@@ -157,7 +158,6 @@ class ZmqSparseRefitClient:
         target = transfer_target(transfer_id)
         if target_version is not None and target_version != target:
             raise ValueError(f"transfer {transfer_id} targets {target}, not {target_version}")
-        deadline = deadline or Deadline.never()
         producer = producer_id or self.producer_id
         frames = _frames(body)
         total = sum(memoryview(frame).nbytes for frame in frames)
@@ -227,7 +227,7 @@ class ZmqSparseRefitClient:
     ) -> Message:
         """BEGIN, wait for READY (each QUEUED starts the wait again, up to the relay's own
         limit on queueing), stream the chunks, wait for ACK; the final reply."""
-        begin = {**begin, "deadline_s": deadline.remaining_s()}
+        begin = {**begin, "deadline_s": deadline.to_wire()}
         self._send(link, encode(Kind.BEGIN, begin, self._signer), deadline)
         queued_s = (QUEUE_TIMEOUTS + 1) * self.timeout_s
         queued_until = time.monotonic() + queued_s

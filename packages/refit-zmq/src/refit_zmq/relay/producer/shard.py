@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,9 +56,9 @@ class TransferOptions:
 class StreamOrder:
     """What one producer streams in one transfer (sent to every producer alike).
 
-    ``deadline_s`` is what was left of the refit's deadline when the order was made (None:
-    none): seconds, not a time of day, since hosts' clocks differ; the producer counts it
-    from when it gets the order.
+    ``deadline_s`` is the refit's deadline in its wire form (``Deadline.to_wire``: the
+    seconds left when the order was made, None: none); the producer counts it from when it
+    gets the order (``Deadline.from_wire``).
     """
 
     transfer_id: str
@@ -141,9 +140,7 @@ class ShardProducer(ShardProducerRole):
             ``payloads``, ``tensors``, ``changed_elements``, ``wire_bytes``, ``dense_bytes``.
         """
         tracker = self._require()
-        deadline = Deadline.never()
-        if order.deadline_s is not None:
-            deadline = Deadline(time.monotonic() + order.deadline_s)
+        deadline = Deadline.from_wire(order.deadline_s)
         stop = threading.Event()
         with self._orders:  # every earlier stream still running or waiting stops
             for earlier in self._stops:

@@ -46,7 +46,7 @@ def stream_sparse_delta_payloads_via_zmq(
     tuning: RelayTuning | None = None,
     curve: CurveConfig | None = None,
     senders: int | None = None,
-    deadline: Deadline | None = None,
+    deadline: Deadline,
     stop: threading.Event | None = None,
 ) -> dict[str, int]:
     """Encode this shard's refit and deliver every payload to its root relay.
@@ -73,7 +73,7 @@ def stream_sparse_delta_payloads_via_zmq(
             ``window_payloads``, as many as the root stages for one tree).
         deadline: the refit's deadline; every BEGIN carries what is left of it, and no
             send or wait runs past it, nor any encoding: the stream ends at the first tensor
-            or payload past it (default: none).
+            or payload past it (``Deadline.never()``: none).
         stop: set by whoever takes over the tracker (a newer refit): the stream ends at its
             next tensor or payload, its refit aborted.
 
@@ -107,7 +107,7 @@ def stream_sparse_delta_payloads_via_zmq(
         curve=curve,
         tuning=tuning,
     )
-    watched = _watched(iterator, deadline or Deadline.never(), stop or threading.Event())
+    watched = _watched(iterator, deadline, stop or threading.Event())
     payloads = delta_tracker.encode(watched, target, resync=resync)
     try:
         stats = deliver_payloads(
@@ -152,7 +152,7 @@ def deliver_payloads(
     target_version: int,
     verification_candidates: int,
     senders: int = 2,
-    deadline: Deadline | None = None,
+    deadline: Deadline,
     total_dense_bytes: int | None = None,
 ) -> dict[str, int]:
     """Send ``payloads`` as they come, ``senders`` at a time (each thread its own DEALER),
