@@ -1,8 +1,9 @@
-"""Repository-wide pytest configuration: the refit markers plugin, and ``--run-long``."""
+"""Repository-wide pytest configuration: the refit markers plugin, run-once across isolated and
+workspace runs (scripts/test), and ``--run-long``."""
 
 import pytest
 
-pytest_plugins = ["refit_lab.pytest_plugin"]
+pytest_plugins = ["refit_lab.pytest_plugin", "refit_lab.pytest_run_once"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -222,6 +222,7 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
                 ),
             ),
             deadline,
+            within_call_timeout=False,  # builds the tracker: compiles its kernel (seconds)
         )
 
     def _on_producers(
@@ -232,9 +233,12 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         *,
         count: int | None = None,
         engines: Sequence[EngineReport] = (),
+        within_call_timeout: bool = True,
     ) -> list[_T]:
         """Call ``method`` (``start(producer, rank)``) on the first ``count`` producers
-        (default: all) within the deadline; their answers, in rank order.
+        (default: all) within the deadline, and each reply within ``call_timeout_s`` unless
+        ``within_call_timeout`` is False (a call that does real work); their answers, in rank
+        order.
 
         Raises:
             RefitTimeoutError: a producer did not answer (named as wedged), with ``engines``.
@@ -242,7 +246,8 @@ class ZmqSparseWeightSynchronizer(WeightSynchronizer):
         """
         producers = self._producers[:count]
         calls = {p: start(p, rank) for rank, p in enumerate(producers)}
-        gathered = gather(calls, deadline.timeout_for(self._options.call_timeout_s))
+        reply_s = self._options.call_timeout_s if within_call_timeout else None
+        gathered = gather(calls, deadline.timeout_for(reply_s))
         if gathered.missing:
             labels = [p.label for p in gathered.missing]
             raise RefitTimeoutError(
