@@ -85,12 +85,13 @@ def factory_error(**kwargs: Any) -> BaseException:
 
 
 def test_factory_rejects_bad_input_before_looking_for_a_backend() -> None:
+    from refit_core import InvalidTimeoutError
+
     unknown = factory_error(generation_backend="nope", colocated=True)
     assert type(unknown) is ValueError
     assert "vllm" in str(unknown)
-    assert type(factory_error(generation_backend="vllm", colocated=True, refit_timeout_s=-1)) is (
-        ValueError
-    )
+    bad_timeout = factory_error(generation_backend="vllm", colocated=True, refit_timeout_s=-1)
+    assert type(bad_timeout) is InvalidTimeoutError  # the one rule's error (a ValueError too)
     unsupported = factory_error(generation_backend="dynamo", colocated=True)
     assert type(unsupported) is NotImplementedError
 
