@@ -22,6 +22,7 @@ from typing import Protocol
 from refit_core import RefitTimeoutError
 from refit_core.backend import Deadline, PolicyLike
 from refit_zmq.codec import tensor_digest
+from refit_zmq.codec.diff import prepare_kernel
 from refit_zmq.relay.producer.streaming import stream_sparse_delta_payloads_via_zmq
 from refit_zmq.relay.wire.curve import CurveConfig
 from refit_zmq.relay.wire.tuning import RelayTuning
@@ -110,6 +111,10 @@ class ShardProducer(ShardProducerRole):
     """
 
     def __init__(self, policy: PolicyLike) -> None:
+        # The change-detection kernel compiles once per process (3-4 s when numba's cache is
+        # cold): here, before any refit's deadline runs, for 2- and 4-byte elements (bf16,
+        # fp16, fp32 weights); other sizes compile when a tracker of them is built.
+        prepare_kernel((2, 4))
         self._policy = policy
         self._tracker: DeltaCompressionTracker | None = None
         self._streaming = threading.Lock()
