@@ -169,7 +169,11 @@ class RefusingAdapters:
         self._client = client
 
     def collective_rpc(self, method: str, timeout_s: float | None, args: tuple[Any, ...]) -> Any:
-        if args[:1] == ("lora_load",):
+        import pickle
+
+        from refit_zmq.vllm.calls import LoraLoad
+
+        if args and isinstance(args[0], bytes) and isinstance(pickle.loads(args[0]), LoraLoad):
             raise RuntimeError("this engine refuses the adapter (injected fault)")
         return self._client.collective_rpc(method, timeout_s, args)
 
